@@ -1,0 +1,100 @@
+"""A functional block allocator that runs inside `jit`.
+
+The free list is a stack: `free_stack[:num_free]` holds the ids of free blocks. Allocation pops
+from the top, release pushes back. Both are vectorised over a batch of requests, so a whole
+batch of sequences crossing a block boundary costs one scatter, and neither ever recompiles
+for new values.
+
+Shapes: `[P]` blocks in the pool, `[R]` requests in one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["free_stack", "num_free"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockAllocator:
+    """Free-list of pool blocks.
+
+    Attributes:
+      free_stack: int32[P]; entries `[:num_free]` are the free block ids, the rest is stale.
+      num_free: int32[] number of free blocks.
+    """
+
+    free_stack: jax.Array
+    num_free: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.free_stack.shape[0]
+
+
+def init_allocator(num_blocks: int) -> BlockAllocator:
+    """All `num_blocks` blocks free; lower ids are handed out first."""
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    return BlockAllocator(
+        free_stack=jnp.arange(num_blocks - 1, -1, -1, dtype=jnp.int32),
+        num_free=jnp.asarray(num_blocks, jnp.int32),
+    )
+
+
+def allocate(
+    alloc: BlockAllocator, counts: jax.Array
+) -> tuple[BlockAllocator, jax.Array, jax.Array]:
+    """Hands out `counts[r]` blocks to request `r`, in request order.
+
+    A request is granted whole or not at all: once the free blocks run short, that request and
+    every later one that asks for blocks is refused (batch order is the priority), so a refusal
+    never takes blocks from another request.
+
+    Args:
+      alloc: the allocator.
+      counts: int32[R] blocks wanted per request (>= 0).
+
+    Returns:
+      (new allocator, `first` int32[R], `granted` bool[R]). Request r's blocks are
+      `taken(first[r] + j)` for j < counts[r]; use `block_ids` to read them.
+    """
+    counts = jnp.asarray(counts, jnp.int32)
+    ends = jnp.cumsum(counts)
+    granted = ends <= alloc.num_free
+    # Only a prefix of the requests is granted (ends is non-decreasing), so the granted total is
+    # the end of the last granted request.
+    total = jnp.max(jnp.where(granted, ends, 0), initial=0)
+    first = ends - counts
+    return (
+        BlockAllocator(free_stack=alloc.free_stack, num_free=alloc.num_free - total),
+        first,
+        granted | (counts == 0),
+    )
+
+
+def block_ids(alloc_before: BlockAllocator, offsets: jax.Array) -> jax.Array:
+    """Ids of the blocks at allocation offsets (0 = the first block popped). int32, same shape."""
+    index = alloc_before.num_free - 1 - offsets
+    return alloc_before.free_stack[jnp.clip(index, 0, alloc_before.num_blocks - 1)]
+
+
+def release(alloc: BlockAllocator, blocks: jax.Array) -> BlockAllocator:
+    """Returns blocks to the free list.
+
+    Args:
+      blocks: int32[...] block ids; negative entries are ignored (unused table slots).
+    """
+    blocks = blocks.reshape(-1)
+    valid = blocks >= 0
+    slot = alloc.num_free + jnp.cumsum(valid) - 1
+    slot = jnp.where(valid, slot, alloc.num_blocks)  # out of range: dropped by the scatter
+    free_stack = alloc.free_stack.at[slot].set(blocks, mode="drop")
+    return BlockAllocator(
+        free_stack=free_stack, num_free=alloc.num_free + jnp.sum(valid, dtype=jnp.int32)
+    )
