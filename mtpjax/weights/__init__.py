@@ -1,0 +1,76 @@
+"""Weight formats (BF16, FP8 per-row, FP8 block-128, NVFP4), quantisation, precision rules and
+``linear``, the one entry point that multiplies activations by any of them."""
+
+from mtpjax.weights.formats import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    FP8_BLOCK,
+    NVFP4_BLOCK,
+    Bf16Weight,
+    Fp8BlockWeight,
+    Fp8RowWeight,
+    Nvfp4Weight,
+    Weight,
+    WeightFormat,
+)
+from mtpjax.weights.linear import (
+    Implementation,
+    LinearKernel,
+    RowsRegime,
+    linear,
+    linear_reference,
+    register_kernel,
+    registered_kernels,
+    rows_regime,
+)
+from mtpjax.weights.precision import (
+    Precision,
+    Projection,
+    parse_precision,
+    parse_projection,
+    projection_format,
+    supports_drafter_prefill,
+)
+from mtpjax.weights.quantize import (
+    decode_e2m1,
+    dequantize,
+    encode_e2m1,
+    pack_e2m1,
+    quantize,
+    unpack_e2m1,
+)
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "FP8_BLOCK",
+    "NVFP4_BLOCK",
+    "Bf16Weight",
+    "Fp8BlockWeight",
+    "Fp8RowWeight",
+    "Implementation",
+    "LinearKernel",
+    "Nvfp4Weight",
+    "Precision",
+    "Projection",
+    "RowsRegime",
+    "Weight",
+    "WeightFormat",
+    "decode_e2m1",
+    "dequantize",
+    "encode_e2m1",
+    "linear",
+    "linear_reference",
+    "pack_e2m1",
+    "parse_precision",
+    "parse_projection",
+    "projection_format",
+    "quantize",
+    "register_kernel",
+    "registered_kernels",
+    "rows_regime",
+    "supports_drafter_prefill",
+    "unpack_e2m1",
+]

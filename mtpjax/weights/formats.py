@@ -1,0 +1,292 @@
+"""Weight pytrees for the four storage formats, and the E2M1 / E4M3 constants they rest on.
+
+A weight is a frozen, keyword-only dataclass registered as a pytree whose array leaves are the
+checkpoint's own tensors, so it passes through ``jit``, ``vmap``, ``tree_map`` and donation
+unchanged. Every type may carry leading stacked axes (MoE experts: ``[E, N, K]``): ``shape`` is
+the logical ``(..., N, K)`` and ``out_features`` / ``in_features`` are its last two dims.
+
+Shape glossary:
+  N      output features (rows of the weight)
+  K      input features (the contracted dim)
+  ...    optional leading stacked axes, e.g. E experts
+  NB     ceil(N / 128), KB = ceil(K / 128)   FP8 block-128 tile grid
+  K/16   NVFP4 scale blocks per row; K/2 packed bytes per row
+
+Formats (leaves -> dequantised value):
+  Bf16Weight      w: bf16[..., N, K]                               -> w
+  Fp8RowWeight    q: e4m3[..., N, K], scale: f32[..., N]           -> q * scale[n]
+  Fp8BlockWeight  q: e4m3[..., N, K], scale_inv: f32[..., NB, KB]  -> q * scale_inv[n//128, k//128]
+  Nvfp4Weight     packed: u8[..., N, K/2], scale: e4m3[..., N, K/16], scale_2: f32[...]
+                                                       -> e2m1(code) * scale[n, k//16] * scale_2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "FP8_BLOCK",
+    "NVFP4_BLOCK",
+    "Bf16Weight",
+    "Fp8BlockWeight",
+    "Fp8RowWeight",
+    "Nvfp4Weight",
+    "Weight",
+    "WeightFormat",
+]
+
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+E2M1_MAX = 6.0  # largest E2M1 magnitude
+NVFP4_BLOCK = 16  # elements of K sharing one E4M3 scale
+FP8_BLOCK = 128  # DeepSeek/GLM block-128 tile edge, both N and K
+
+# Decoded value of every 4-bit E2M1 code: bit 3 is the sign, bits 0..2 index the magnitudes.
+# Code 8 is negative zero and decodes to 0.
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+
+
+class WeightFormat(enum.Enum):
+    """Storage format of a weight; the value is the accepted name."""
+
+    BF16 = "bf16"
+    FP8 = "fp8"  # per-row (per output channel) E4M3
+    FP8_BLOCK = "fp8_block"  # 128x128-tile E4M3, DeepSeek/GLM native
+    NVFP4 = "nvfp4"  # ModelOpt E2M1 with E4M3 block-16 scales and an F32 global scale
+
+    @classmethod
+    def parse(cls, fmt: str | WeightFormat) -> WeightFormat:
+        """Parses a format name case-insensitively; unknown names raise ValueError."""
+        if isinstance(fmt, WeightFormat):
+            return fmt
+        if isinstance(fmt, str):
+            try:
+                return cls(fmt.lower())
+            except ValueError:
+                pass
+        accepted = ", ".join(f.value for f in cls)
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of: {accepted}")
+
+
+def _is_array_like(leaf: Any) -> bool:
+    # Pytree machinery rebuilds weights with placeholder leaves (None, object(), ints for vmap
+    # axes, shardings); only leaves that describe an array are validated.
+    return hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _check_dtype(cls_name: str, field: str, leaf: Any, want: Any) -> None:
+    dtype = jnp.dtype(leaf.dtype)
+    # AD cotangents of integer leaves are float0; they are not stored weights.
+    if dtype == jax.dtypes.float0:
+        return
+    if dtype != jnp.dtype(want):
+        raise TypeError(f"{cls_name}.{field} must be {jnp.dtype(want).name}, got {dtype.name}")
+
+
+def _nbytes(*leaves: Any) -> int:
+    return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
+
+
+def _check_matrix(cls_name: str, field: str, leaf: Any) -> None:
+    if len(leaf.shape) < 2:
+        raise ValueError(f"{cls_name}.{field} must be [..., N, K], got shape {tuple(leaf.shape)}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bf16Weight:
+    """Plain BF16 weight. ``w: bf16[..., N, K]``."""
+
+    w: jax.Array
+
+    format: ClassVar[WeightFormat] = WeightFormat.BF16
+
+    def __post_init__(self) -> None:
+        if not _is_array_like(self.w):
+            return
+        _check_matrix("Bf16Weight", "w", self.w)
+        _check_dtype("Bf16Weight", "w", self.w, jnp.bfloat16)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape ``(..., N, K)``."""
+        return tuple(self.w.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams to read the whole weight."""
+        return _nbytes(self.w)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8RowWeight:
+    """E4M3 codes with one F32 scale per output row.
+
+    ``q: e4m3[..., N, K]``, ``scale: f32[..., N]``.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+
+    format: ClassVar[WeightFormat] = WeightFormat.FP8
+
+    def __post_init__(self) -> None:
+        if not (_is_array_like(self.q) and _is_array_like(self.scale)):
+            return
+        _check_matrix("Fp8RowWeight", "q", self.q)
+        _check_dtype("Fp8RowWeight", "q", self.q, jnp.float8_e4m3fn)
+        _check_dtype("Fp8RowWeight", "scale", self.scale, jnp.float32)
+        if tuple(self.scale.shape) != tuple(self.q.shape[:-1]):
+            raise ValueError(
+                f"Fp8RowWeight.scale must have shape {tuple(self.q.shape[:-1])} (one per row of "
+                f"q {tuple(self.q.shape)}), got {tuple(self.scale.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape ``(..., N, K)``."""
+        return tuple(self.q.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams to read the whole weight."""
+        return _nbytes(self.q, self.scale)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8BlockWeight:
+    """E4M3 codes with one F32 factor per 128x128 tile (DeepSeek/GLM checkpoints).
+
+    ``q: e4m3[..., N, K]``, ``scale_inv: f32[..., ceil(N/128), ceil(K/128)]``. Despite the
+    checkpoint's name, ``scale_inv`` MULTIPLIES the codes. Edge tiles may be ragged.
+    """
+
+    q: jax.Array
+    scale_inv: jax.Array
+
+    format: ClassVar[WeightFormat] = WeightFormat.FP8_BLOCK
+
+    def __post_init__(self) -> None:
+        if not (_is_array_like(self.q) and _is_array_like(self.scale_inv)):
+            return
+        _check_matrix("Fp8BlockWeight", "q", self.q)
+        _check_dtype("Fp8BlockWeight", "q", self.q, jnp.float8_e4m3fn)
+        _check_dtype("Fp8BlockWeight", "scale_inv", self.scale_inv, jnp.float32)
+        *lead, n, k = self.q.shape
+        want = (*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+        if tuple(self.scale_inv.shape) != want:
+            raise ValueError(
+                f"Fp8BlockWeight.scale_inv must have shape {want} (ceil(N/128), ceil(K/128) for "
+                f"q {tuple(self.q.shape)}), got {tuple(self.scale_inv.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape ``(..., N, K)``."""
+        return tuple(self.q.shape)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams to read the whole weight."""
+        return _nbytes(self.q, self.scale_inv)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Nvfp4Weight:
+    """NVIDIA ModelOpt NVFP4: packed E2M1 codes, E4M3 block-16 scales, an F32 global scale.
+
+    ``packed: u8[..., N, K/2]`` (element 2j is the LOW nibble of byte j),
+    ``scale: e4m3[..., N, K/16]``, ``scale_2: f32[...]`` (a scalar per stacked matrix).
+    """
+
+    packed: jax.Array
+    scale: jax.Array
+    scale_2: jax.Array
+
+    format: ClassVar[WeightFormat] = WeightFormat.NVFP4
+
+    def __post_init__(self) -> None:
+        if not all(_is_array_like(x) for x in (self.packed, self.scale, self.scale_2)):
+            return
+        _check_matrix("Nvfp4Weight", "packed", self.packed)
+        _check_dtype("Nvfp4Weight", "packed", self.packed, jnp.uint8)
+        _check_dtype("Nvfp4Weight", "scale", self.scale, jnp.float8_e4m3fn)
+        _check_dtype("Nvfp4Weight", "scale_2", self.scale_2, jnp.float32)
+        *lead, n, half_k = self.packed.shape
+        if (2 * half_k) % NVFP4_BLOCK:
+            raise ValueError(
+                f"Nvfp4Weight.packed {tuple(self.packed.shape)} holds K = {2 * half_k} codes per "
+                f"row; K must be a multiple of {NVFP4_BLOCK}"
+            )
+        want = (*lead, n, 2 * half_k // NVFP4_BLOCK)
+        if tuple(self.scale.shape) != want:
+            raise ValueError(
+                f"Nvfp4Weight.scale must have shape {want} (one per 16 codes of packed "
+                f"{tuple(self.packed.shape)}), got {tuple(self.scale.shape)}"
+            )
+        if tuple(self.scale_2.shape) != tuple(lead):
+            raise ValueError(
+                f"Nvfp4Weight.scale_2 must have shape {tuple(lead)} (one per matrix), "
+                f"got {tuple(self.scale_2.shape)}"
+            )
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape ``(..., N, K)``."""
+        *lead, n, half_k = self.packed.shape
+        return (*lead, n, 2 * half_k)
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams to read the whole weight."""
+        return _nbytes(self.packed, self.scale, self.scale_2)
+
+
+Weight = Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight
