@@ -1,0 +1,133 @@
+"""Gated GQA self-attention of the Qwen3-Next / Qwen3.5 family, split into the pieces the dense
+(teacher-forced) path, the paged decode path and the KV-only prefill share.
+
+Shapes: `[..., T]` rows, `H` hidden, `Nq` / `Nkv` query / KV heads, `D` head dim,
+`[B, Tq, Tk]` attention masks.
+
+`cfg` is any object with the attributes `num_attention_heads`, `num_key_value_heads`,
+`head_dim`, `rotary_dim`, `rope_theta`, `rms_norm_eps`, `zero_centered_norm`,
+`attn_output_gate` and `qk_norm` (the drafter and the reference target configs both have them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mtpjax.layers.norms import rms_norm
+from mtpjax.layers.rope import apply_rope
+from mtpjax.weights import Weight, linear
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionParams:
+    """q_proj: [Nq*D*(2 if gated), H] (per head `[q_h, gate_h]`); k/v_proj: [Nkv*D, H];
+    o_proj: [H, Nq*D]; q_norm / k_norm: [D] or None."""
+
+    q_proj: Weight
+    k_proj: Weight
+    v_proj: Weight
+    o_proj: Weight
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+
+
+def _norm_heads(x: jax.Array, w: jax.Array | None, cfg: Any) -> jax.Array:
+    if w is None:
+        return x.astype(jnp.float32)
+    return rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+
+
+def project_kv(
+    params: AttentionParams, x: jax.Array, positions: jax.Array, cfg: Any, *, implementation="auto"
+) -> tuple[jax.Array, jax.Array]:
+    """K and V rows for x: [..., T, H] at positions [..., T] -> two f32[..., T, Nkv, D].
+
+    K gets its head norm and RoPE here, so a cache row is final once written.
+    """
+    lead = x.shape[:-1]
+    k = linear(x, params.k_proj, out_dtype=jnp.float32, implementation=implementation)
+    v = linear(x, params.v_proj, out_dtype=jnp.float32, implementation=implementation)
+    k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    k = apply_rope(
+        _norm_heads(k, params.k_norm, cfg),
+        positions,
+        rotary_dim=cfg.rotary_dim,
+        theta=cfg.rope_theta,
+    )
+    return k, v
+
+
+def project_q(
+    params: AttentionParams, x: jax.Array, positions: jax.Array, cfg: Any, *, implementation="auto"
+) -> tuple[jax.Array, jax.Array | None]:
+    """Queries f32[..., T, Nq, D] (normed, rotated) and the output gate f32[..., T, Nq, D] or None."""
+    lead = x.shape[:-1]
+    q = linear(x, params.q_proj, out_dtype=jnp.float32, implementation=implementation)
+    gate = None
+    if cfg.attn_output_gate:
+        # The projection is interleaved per head: [q_h (D), gate_h (D)] for each head h.
+        q = q.reshape(*lead, cfg.num_attention_heads, 2 * cfg.head_dim)
+        q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim :]
+    else:
+        q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+    q = apply_rope(
+        _norm_heads(q, params.q_norm, cfg),
+        positions,
+        rotary_dim=cfg.rotary_dim,
+        theta=cfg.rope_theta,
+    )
+    return q, gate
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked GQA softmax attention in F32, the reference for every attention path.
+
+    q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; mask: bool[B, Tq, Tk] (True = attend).
+    Query head h reads KV head h // (Nq // Nkv). A row with nothing to attend gives zeros.
+    Returns f32[B, Tq, Nq, D].
+    """
+    B, Tq, Nq, D = q.shape
+    Nkv = k.shape[-2]
+    q = q.astype(jnp.float32).reshape(B, Tq, Nkv, Nq // Nkv, D)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(jnp.float32)) * (D**-0.5)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = weights / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32))
+    return out.reshape(B, Tq, Nq, D)
+
+
+def output_projection(
+    params: AttentionParams, attn: jax.Array, gate: jax.Array | None, *, implementation="auto"
+) -> jax.Array:
+    """attn: [..., T, Nq, D] (times sigmoid(gate) when gated) -> o_proj -> f32[..., T, H]."""
+    if gate is not None:
+        attn = attn * jax.nn.sigmoid(gate)
+    attn = attn.reshape(*attn.shape[:-2], -1)
+    return linear(attn, params.o_proj, out_dtype=jnp.float32, implementation=implementation)
+
+
+def causal_self_attention(
+    params: AttentionParams, x: jax.Array, positions: jax.Array, cfg: Any, *, implementation="auto"
+) -> jax.Array:
+    """Dense causal self-attention over x: [B, T, H] at positions [B, T] -> f32[B, T, H].
+
+    Row i attends to rows j with positions[j] <= positions[i] (no paging, no cache).
+    """
+    q, gate = project_q(params, x, positions, cfg, implementation=implementation)
+    k, v = project_kv(params, x, positions, cfg, implementation=implementation)
+    mask = positions[:, None, :] <= positions[:, :, None]
+    return output_projection(params, attend(q, k, v, mask), gate, implementation=implementation)
