@@ -1,0 +1,301 @@
+"""Vocab-parallel LM head: each device projects a contiguous slice of the vocabulary.
+
+``shard_lm_head(params, mesh, axis_name)`` pads the head's rows to ``Vp`` and places rows
+``[d * Vl, (d + 1) * Vl)`` on device ``d`` of the mesh axis (``Vl = Vp / D``); the transposed
+verify copy, when present, is split the same way by columns. ``sharded_lm_head`` then runs the
+replicated head's own projection (``lm_head._project``) on each slice under ``jax.shard_map``:
+
+- logits: every column is computed by the same code on the same hidden rows as in the replicated
+  head, only on a different device, so the assembled logits are bit-identical to
+  ``lm_head(...)`` for the same tier and implementation (the tests check it on 2, 4 and 8
+  devices). This rests on ``hidden`` being bit-identical on every device, which a replicated
+  input guarantees.
+- greedy: each device takes the max / first argmax / sum of ``exp(logit - global max)`` over its
+  real columns; a ``pmax``, a ``pmin`` over the winning devices' indices and a ``psum`` combine
+  them, so the token (ties to the lowest id, as ``jnp.argmax``) and its log-probability need no
+  gather of the full logits. ``with_logits=False`` skips that gather altogether.
+
+Padded rows (``Vp > V``) are zero weights; their logits are masked out of the greedy reductions
+and sliced off the assembled logits, so they can neither win nor leak. A reduced draft vocab
+masks columns ``>= V'`` the same way: the slices are fixed by the placement, so the drafter's
+projection still costs a full slice per device.
+
+The embedding stays replicated: ``embed(sharded_params, tokens, cfg=cfg)`` works unchanged.
+
+Shape glossary:
+  ...  leading dims of hidden, flattened to M rows       H   hidden_size
+  V    vocab_size        V'  draft vocab                  D   devices on the mesh axis
+  Vp   padded vocab: a multiple of D, and of 128 * D when each slice must hold whole 128-row
+       tiles (a block-128 FP8 head, or a verify copy)    Vl  Vp / D rows per device
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from mtpjax.config import LMHeadConfig
+from mtpjax.head.lm_head import (
+    VERIFY_COLUMN_ALIGN,
+    Bf16VerifyWeight,
+    Fp8BlockVerifyWeight,
+    Fp8RowVerifyWeight,
+    HeadTier,
+    LMHeadParams,
+    Nvfp4VerifyWeight,
+    VerifyWeight,
+    _check_cfg_shape,
+    _check_head_weight,
+    _check_hidden,
+    _finish_logits,
+    _output_columns,
+    _pad_rows,
+    _parse_implementation,
+    _project,
+    _resolve_tier,
+    _round_up,
+    build_verify_copy,
+)
+from mtpjax.weights import (
+    FP8_BLOCK,
+    Bf16Weight,
+    Fp8BlockWeight,
+    Fp8RowWeight,
+    Implementation,
+    Nvfp4Weight,
+    Weight,
+)
+
+__all__ = [
+    "HeadOutput",
+    "ShardedLMHeadParams",
+    "padded_vocab",
+    "shard_lm_head",
+    "sharded_lm_head",
+]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardedLMHeadParams:
+    """An LM head placed vocab-parallel over one mesh axis (build with ``shard_lm_head``).
+
+    weight:        [Vp, H] rows split over ``axis_name`` (zero rows past V).
+    embedding:     bf16[V, H] replicated.
+    final_norm:    [H] replicated, or None.
+    verify_weight: [H, Vp] transposed copy, columns split over ``axis_name``, or None.
+    mesh, axis_name, vocab_size (V): static.
+    """
+
+    weight: Weight
+    embedding: jax.Array
+    final_norm: jax.Array | None = None
+    verify_weight: VerifyWeight | None = None
+    mesh: Mesh = dataclasses.field(metadata=dict(static=True))
+    axis_name: str = dataclasses.field(metadata=dict(static=True))
+    vocab_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_shards(self) -> int:
+        return self.mesh.shape[self.axis_name]
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.weight.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadOutput:
+    """What the vocab-parallel head returns.
+
+    logits:  [..., V] (or [..., V'] for a draft projection), F32 or BF16 per the config; None
+             when not asked for.
+    token:   int32[...] the greedy token (first index of the maximum logit).
+    logprob: f32[...] its log-probability, ``logit - logsumexp(logits)`` over the real columns.
+    """
+
+    logits: jax.Array | None
+    token: jax.Array
+    logprob: jax.Array
+
+
+def padded_vocab(weight: Weight, num_shards: int, *, whole_tiles: bool) -> int:
+    """Rows after padding: a multiple of ``num_shards``, and of 128 per shard when
+    ``whole_tiles`` or when the head is block-128 FP8 (a shard must hold whole scale tiles)."""
+    quantum = num_shards
+    if whole_tiles or isinstance(weight, Fp8BlockWeight):
+        quantum *= VERIFY_COLUMN_ALIGN
+    return _round_up(weight.out_features, quantum)
+
+
+def _pad_weight(w: Weight, vp: int) -> Weight:
+    if isinstance(w, Bf16Weight):
+        return Bf16Weight(w=_pad_rows(w.w, vp))
+    if isinstance(w, Fp8RowWeight):
+        return Fp8RowWeight(q=_pad_rows(w.q, vp), scale=_pad_rows(w.scale, vp))
+    if isinstance(w, Fp8BlockWeight):
+        return Fp8BlockWeight(
+            q=_pad_rows(w.q, vp), scale_inv=_pad_rows(w.scale_inv, vp // FP8_BLOCK)
+        )
+    return Nvfp4Weight(
+        packed=_pad_rows(w.packed, vp), scale=_pad_rows(w.scale, vp), scale_2=w.scale_2
+    )
+
+
+def _row_specs(w: Weight, axis: str) -> Weight:
+    """PartitionSpecs splitting a [Vp, H] weight's rows (and per-row scales) over ``axis``."""
+    rows = P(axis, None)
+    if isinstance(w, Bf16Weight):
+        return Bf16Weight(w=rows)
+    if isinstance(w, Fp8RowWeight):
+        return Fp8RowWeight(q=rows, scale=P(axis))
+    if isinstance(w, Fp8BlockWeight):
+        return Fp8BlockWeight(q=rows, scale_inv=rows)
+    return Nvfp4Weight(packed=rows, scale=rows, scale_2=P())
+
+
+def _column_specs(vw: VerifyWeight, axis: str) -> VerifyWeight:
+    """PartitionSpecs splitting a [H, Vp] copy's columns (and per-column scales) over ``axis``."""
+    cols = P(None, axis)
+    if isinstance(vw, Bf16VerifyWeight):
+        return Bf16VerifyWeight(wt=cols)
+    if isinstance(vw, Fp8RowVerifyWeight):
+        return Fp8RowVerifyWeight(qt=cols, scale=P(axis))
+    if isinstance(vw, Fp8BlockVerifyWeight):
+        return Fp8BlockVerifyWeight(qt=cols, scale_inv_t=cols)
+    return Nvfp4VerifyWeight(packed_t=cols, scale_t=cols, scale_2=P())
+
+
+def _place(tree, specs, mesh: Mesh):
+    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
+
+
+def shard_lm_head(params: LMHeadParams, mesh: Mesh, axis_name: str) -> ShardedLMHeadParams:
+    """Pads the head to ``Vp`` rows and places it vocab-parallel over ``mesh``'s ``axis_name``.
+
+    A verify copy in ``params`` is rebuilt from the padded weight and split by columns, so each
+    device's slice of it is the transposed copy of its own rows. Other mesh axes replicate.
+    """
+    if axis_name not in mesh.shape:
+        raise ValueError(f"mesh has axes {tuple(mesh.shape)}; no axis named {axis_name!r}")
+    _check_head_weight(params.weight)
+    num_shards = mesh.shape[axis_name]
+    has_copy = params.verify_weight is not None
+    vp = padded_vocab(params.weight, num_shards, whole_tiles=has_copy)
+    weight = _pad_weight(params.weight, vp)
+    verify_weight = build_verify_copy(weight) if has_copy else None
+    replicated = NamedSharding(mesh, P())
+    return ShardedLMHeadParams(
+        weight=_place(weight, _row_specs(weight, axis_name), mesh),
+        embedding=jax.device_put(params.embedding, replicated),
+        final_norm=None
+        if params.final_norm is None
+        else jax.device_put(params.final_norm, replicated),
+        verify_weight=None
+        if verify_weight is None
+        else _place(verify_weight, _column_specs(verify_weight, axis_name), mesh),
+        mesh=mesh,
+        axis_name=axis_name,
+        vocab_size=params.weight.out_features,
+    )
+
+
+def _local_head(
+    weight: Weight,
+    verify_weight: VerifyWeight | None,
+    x: jax.Array,
+    *,
+    cfg: LMHeadConfig,
+    n_valid: int,
+    tier: HeadTier,
+    implementation: Implementation,
+    axis: str,
+    with_logits: bool,
+):
+    """One device's slice: logits [M, Vl] and the combined greedy token / log-probability."""
+    vl = weight.out_features
+    logits = _finish_logits(
+        _project(weight, verify_weight, x, n_cols=vl, tier=tier, implementation=implementation),
+        cfg,
+    )
+    offset = jax.lax.axis_index(axis) * vl
+    ids = offset + jnp.arange(vl, dtype=jnp.int32)  # [Vl] global token ids of this slice
+    scores = jnp.where(ids < n_valid, logits.astype(jnp.float32), -jnp.inf)  # [M, Vl]
+    local_max = jnp.max(scores, axis=-1)  # [M]
+    local_arg = offset + jnp.argmax(scores, axis=-1).astype(jnp.int32)  # first max of the slice
+    global_max = jax.lax.pmax(local_max, axis)
+    # Among the slices holding the global max, the lowest holds the first index overall.
+    big = jnp.iinfo(jnp.int32).max
+    token = jax.lax.pmin(jnp.where(local_max == global_max, local_arg, big), axis)
+    total = jax.lax.psum(jnp.sum(jnp.exp(scores - global_max[:, None]), axis=-1), axis)
+    logprob = -jnp.log(total)  # max - logsumexp, with the max factored out of the sum
+    return (logits if with_logits else None), token, logprob
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "draft", "tier", "implementation", "with_logits")
+)
+def sharded_lm_head(
+    params: ShardedLMHeadParams,
+    hidden: jax.Array,
+    *,
+    cfg: LMHeadConfig,
+    draft: bool = False,
+    tier: HeadTier | str | None = None,
+    implementation: Implementation | str = Implementation.AUTO,
+    with_logits: bool = True,
+) -> HeadOutput:
+    """Vocab-parallel ``lm_head`` of ``hidden [..., H]`` (replicated) with a fused greedy top-1.
+
+    Arguments as for ``lm_head``; ``with_logits=False`` returns only the token and its
+    log-probability, and the full logits are never gathered.
+    """
+    hidden = jnp.asarray(hidden)
+    _check_hidden(hidden, cfg)
+    unpadded = (params.vocab_size, params.weight.shape[1])
+    _check_cfg_shape(cfg, "ShardedLMHeadParams.weight before padding", unpadded)
+    impl = _parse_implementation(implementation)
+    lead = hidden.shape[:-1]
+    x = hidden.reshape(-1, cfg.hidden_size)
+    resolved = _resolve_tier(tier, x.shape[0], params.verify_weight is not None)
+    n = _output_columns(cfg, draft)
+    axis = params.axis_name
+    local = functools.partial(
+        _local_head,
+        cfg=cfg,
+        n_valid=n,
+        tier=resolved,
+        implementation=impl,
+        axis=axis,
+        with_logits=with_logits,
+    )
+    has_copy = params.verify_weight is not None
+    mesh = params.mesh
+    # Every device must see the same rows (bit-identity rests on it), whatever x's placement.
+    x = jax.sharding.reshard(x, NamedSharding(mesh, P()))
+    # Custom kernels carry no varying-across-devices annotations; the outputs declared
+    # replicated are made so by pmax / pmin / psum.
+    logits, token, logprob = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(
+            _row_specs(params.weight, axis),
+            _column_specs(params.verify_weight, axis) if has_copy else None,
+            P(),
+        ),
+        out_specs=(P(None, axis) if with_logits else None, P(), P()),
+        check_vma=False,
+    )(params.weight, params.verify_weight, x)
+    if with_logits and n != params.padded_vocab:
+        # An uneven split cannot be expressed, so a padded or reduced vocab is assembled
+        # replicated before the padding is cut off; an exact split stays vocab-sharded.
+        logits = jax.sharding.reshard(logits, NamedSharding(mesh, P()))[:, :n]
+    if with_logits:
+        logits = logits.reshape(*lead, n)
+    return HeadOutput(logits=logits, token=token.reshape(lead), logprob=logprob.reshape(lead))
