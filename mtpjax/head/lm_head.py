@@ -141,7 +141,7 @@ def _is_array_like(leaf: Any) -> bool:
 def _check_leaf(cls: str, field: str, leaf: Any, dtype: Any, ndim: int) -> None:
     if jnp.dtype(leaf.dtype) != jnp.dtype(dtype):
         raise TypeError(f"{cls}.{field} must be {jnp.dtype(dtype).name}, got {leaf.dtype}")
-    if leaf.ndim != ndim:
+    if len(leaf.shape) != ndim:
         raise ValueError(f"{cls}.{field} must have {ndim} dims, got shape {tuple(leaf.shape)}")
 
 
@@ -359,7 +359,7 @@ class LMHeadParams:
 
     def __post_init__(self) -> None:
         emb = self.embedding
-        if _is_array_like(emb) and (emb.ndim != 2 or jnp.dtype(emb.dtype) != jnp.bfloat16):
+        if _is_array_like(emb) and (len(emb.shape) != 2 or jnp.dtype(emb.dtype) != jnp.bfloat16):
             raise ValueError(
                 f"LMHeadParams.embedding must be bf16[V, H], got {emb.dtype}{list(emb.shape)}"
             )
