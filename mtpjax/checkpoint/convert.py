@@ -1,0 +1,508 @@
+"""Hugging Face checkpoint -> converted drafter checkpoint (orbax tensors + ``manifest.json``).
+
+    manifest = convert("Qwen3-Next-80B-A3B", "out/qwen3-next-mtp", precision="nvfp4")
+
+Only the MTP modules, the embedding, the LM head and the final norm are read, tensor by tensor
+from their byte ranges, and converted tensors are saved group by group, so the process holds
+about one group and the tensor in hand, nothing of the target's body (an 80B checkpoint converts
+on a 24 GiB machine). Each projection's format is detected from its
+own tensors (``formats``); ``precision="keep"`` keeps them bit for bit, other precisions
+requantise per ``mtpjax.weights.projection_format`` (the LM head at ``head_precision``, by
+default the same; the embedding is always BF16).
+
+Output directory:
+  manifest.json   format version, the source ``config.json`` (so the loader rebuilds the
+                  ``DrafterConfig``), precision, layout, runnable flag and reason, and per tensor
+                  its source name(s), source format, stored format, logical shape and leaves.
+  params/NNNN/    orbax checkpoints of ``{name: {leaf: array}}`` (weights: their pytree
+                  fields ``w`` / ``q, scale`` / ``q, scale_inv`` / ``packed, scale, scale_2``;
+                  arrays and embeddings: ``value``), of about 128 MiB, written while the
+                  conversion runs so the process never holds more than one group at a time
+                  (orbax copies what it saves); each tensor's record names its group.
+
+The output is written to a temporary directory beside ``out`` and renamed into place, so a failed
+or interrupted conversion leaves no ``out`` behind; an existing ``out`` is refused unless
+``force``, and then replaced only once the new one is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from mtpjax.checkpoint.formats import (
+    SourceFormat,
+    convert_packed_slices,
+    convert_stacked,
+    convert_weight,
+    describe_precision,
+    detect,
+    parse_target_precision,
+    read_embedding,
+    weight_leaves,
+)
+from mtpjax.checkpoint.layouts import Assembly, Entry, EntryKind, Plan, plan
+from mtpjax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from mtpjax.config import DrafterConfig, FfnKind, load_hf_config
+from mtpjax.weights import Precision, Weight, WeightFormat, projection_format
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "PARAMS_DIR",
+    "Manifest",
+    "TensorRecord",
+    "convert",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+PARAMS_DIR = "params"
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+ARRAY_LEAF = "value"  # the one leaf of an array or embedding entry
+# Converted tensors are saved in orbax checkpoints of about this size (see _GroupWriter).
+GROUP_BYTES = 128 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorRecord:
+    """One converted tensor in the manifest.
+
+    Attributes:
+      name: its name in the converted checkpoint.
+      kind: ``weight`` | ``array`` | ``embedding``.
+      sources: the source tensors it was read from.
+      source_format: how the source stored it (``bf16``, ``fp8_block``, ``nvfp4``... for
+        projections; the lower-case safetensors dtype for arrays).
+      format: its stored weight format (``bf16 | fp8 | fp8_block | nvfp4``), None for arrays.
+      shape: logical shape (``[..., N, K]`` for weights).
+      leaves: each stored leaf's ``(dtype name, shape)``.
+      group: the orbax checkpoint under ``params/`` that holds it.
+    """
+
+    name: str
+    kind: str
+    sources: tuple[str, ...]
+    source_format: str
+    format: str | None
+    shape: tuple[int, ...]
+    leaves: Mapping[str, tuple[str, tuple[int, ...]]]
+    group: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "sources": list(self.sources),
+            "source_format": self.source_format,
+            "format": self.format,
+            "shape": list(self.shape),
+            "leaves": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in self.leaves.items()},
+            "group": self.group,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TensorRecord:
+        return cls(
+            name=data["name"],
+            kind=data["kind"],
+            sources=tuple(data["sources"]),
+            source_format=data["source_format"],
+            format=data["format"],
+            shape=tuple(data["shape"]),
+            leaves={k: (v["dtype"], tuple(v["shape"])) for k, v in data["leaves"].items()},
+            group=data["group"],
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What a converted checkpoint holds; written as ``manifest.json``.
+
+    ``config`` is the source ``config.json`` (``DrafterConfig.from_hf_config(config)`` rebuilds
+    the drafter config); ``quant_config`` is the source ``hf_quant_config.json``, recorded for
+    reference only (formats were detected per tensor).
+    """
+
+    format_version: int
+    architecture: str
+    num_mtp_modules: int
+    runnable: bool
+    unsupported_reason: str | None
+    precision: str
+    head_precision: str
+    layout: str
+    tied_embeddings: bool
+    mtp_prefixes: tuple[str, ...]
+    source: str
+    config: Mapping[str, Any]
+    quant_config: Mapping[str, Any] | None
+    tensors: tuple[TensorRecord, ...]
+
+    def tensor(self, name: str) -> TensorRecord:
+        for record in self.tensors:
+            if record.name == name:
+                return record
+        raise KeyError(f"the manifest has no tensor {name!r}")
+
+    def drafter_config(self, *, mtp_vocab_size: int | None = None) -> DrafterConfig:
+        return DrafterConfig.from_hf_config(dict(self.config), mtp_vocab_size=mtp_vocab_size)
+
+    def to_json(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["mtp_prefixes"] = list(self.mtp_prefixes)
+        data["tensors"] = [t.to_json() for t in self.tensors]
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Manifest:
+        fields = dict(data)
+        fields["mtp_prefixes"] = tuple(fields["mtp_prefixes"])
+        fields["tensors"] = tuple(TensorRecord.from_json(t) for t in fields["tensors"])
+        return cls(**fields)
+
+
+# --------------------------------------------------------------------------------------------
+# Converting one entry.
+
+
+def _leaf_record(a: Any) -> tuple[str, tuple[int, ...]]:
+    return (np.dtype(a.dtype).name, tuple(int(d) for d in np.shape(a)))
+
+
+def _shape_error(
+    name: str, file: str, expected: tuple[int, ...], what: str, found: Any, note: str = ""
+) -> CheckpointError:
+    from_cfg = f" ({what} from config.json)" if what else ""
+    return CheckpointError(
+        f"{name} ({file}): expected shape {list(expected)}{from_cfg}, found {list(found)}{note}"
+    )
+
+
+def _weight_format(
+    entry: Entry, cfg: DrafterConfig, target: Precision | None, head_target: Precision | None
+) -> WeightFormat | None:
+    if entry.head:
+        return None if head_target is None else WeightFormat(head_target.value)
+    if target is None:
+        return None
+    return projection_format(entry.role, target, dense_ffn=cfg.ffn is FfnKind.DENSE)
+
+
+def _convert_weight_entry(
+    ckpt: SafetensorsCheckpoint, entry: Entry, fmt: WeightFormat | None
+) -> tuple[Weight, str]:
+    """-> (the weight, its source format name)."""
+    expected = entry.shape
+    if entry.assembly is Assembly.SINGLE:
+        src = detect(ckpt, entry.sources[0])
+        if expected is not None and tuple(src.shape) != expected:
+            note = (
+                " (logical; NVFP4 packs 2 codes per byte)"
+                if src.format is SourceFormat.NVFP4
+                else ""
+            )
+            raise _shape_error(
+                src.name, src.weight.file.name, expected, entry.what, src.shape, note
+            )
+        return convert_weight(ckpt, src, fmt), src.format.value
+    if entry.assembly is Assembly.STACK:
+        srcs = [detect(ckpt, name) for name in entry.sources]
+        for src in srcs:
+            if tuple(src.shape) != tuple(srcs[0].shape) or (
+                expected is not None and tuple(src.shape) != expected[1:]
+            ):
+                want = expected[1:] if expected is not None else srcs[0].shape
+                raise _shape_error(
+                    src.name,
+                    src.weight.file.name,
+                    tuple(want),
+                    entry.what and f"one expert of {entry.what}",
+                    src.shape,
+                )
+        formats = sorted({s.format.value for s in srcs})
+        return convert_stacked(ckpt, srcs, fmt, what=entry.name), "+".join(formats)
+    info = ckpt.info(entry.sources[0])
+    if entry.assembly is Assembly.PACKED:
+        want = expected
+        rows = (0, expected[1])
+    else:
+        E, I, H = expected
+        want = (E, 2 * I, H)
+        rows = (0, I) if entry.assembly is Assembly.PACKED_GATE else (I, 2 * I)
+    if info.shape != want:
+        what = entry.what
+        if entry.assembly is not Assembly.PACKED:
+            what = "[num_experts, 2 * moe_intermediate_size, hidden_size], gate rows first"
+        raise _shape_error(info.name, info.file.name, want, what, info.shape)
+    return convert_packed_slices(ckpt, info, rows=rows, fmt=fmt), info.dtype.lower()
+
+
+def _convert_entry(
+    ckpt: SafetensorsCheckpoint,
+    entry: Entry,
+    cfg: DrafterConfig,
+    target: Precision | None,
+    head_target: Precision | None,
+) -> tuple[Any, TensorRecord]:
+    if entry.kind is EntryKind.WEIGHT:
+        fmt = _weight_format(entry, cfg, target, head_target)
+        w, source_format = _convert_weight_entry(ckpt, entry, fmt)
+        leaves = weight_leaves(w)
+        record = TensorRecord(
+            name=entry.name,
+            kind=entry.kind.value,
+            sources=entry.sources,
+            source_format=source_format,
+            format=w.format.value,
+            shape=tuple(w.shape),
+            leaves={k: _leaf_record(v) for k, v in leaves.items()},
+        )
+        return w, record
+    name = entry.sources[0]
+    info = ckpt.info(name)
+    if entry.shape is not None and info.shape != entry.shape:
+        note = " (logical; NVFP4 packs 2 codes per byte)" if info.dtype == "U8" else ""
+        raise _shape_error(name, info.file.name, entry.shape, entry.what, info.shape, note)
+    value = read_embedding(ckpt, name) if entry.kind is EntryKind.EMBEDDING else ckpt.read(name)
+    record = TensorRecord(
+        name=entry.name,
+        kind=entry.kind.value,
+        sources=entry.sources,
+        source_format=info.dtype.lower(),
+        format=None,
+        shape=tuple(value.shape),
+        leaves={ARRAY_LEAF: _leaf_record(value)},
+    )
+    return value, record
+
+
+def _stored_leaves(value: Any) -> dict[str, Any]:
+    if isinstance(value, np.ndarray):
+        return {ARRAY_LEAF: value}
+    return weight_leaves(value)
+
+
+# --------------------------------------------------------------------------------------------
+# Paths and the atomic write.
+
+
+def _check_paths(src: Path, out: Path, force: bool) -> None:
+    if not src.is_dir():
+        raise CheckpointError(f"{src}: not a directory (expected a Hugging Face checkpoint)")
+    if out.exists() or out.is_symlink():
+        if not force:
+            raise CheckpointError(
+                f"{out} already exists; refusing to overwrite it (pass force=True, or --force "
+                "on the command line, to replace it)"
+            )
+        resolved = out.resolve()
+        if src.resolve() == resolved or src.resolve().is_relative_to(resolved):
+            raise CheckpointError(
+                f"{out} holds the source checkpoint {src}; refusing to replace it"
+            )
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _save_params(directory: Path, tree: Mapping[str, Mapping[str, Any]]) -> None:
+    import orbax.checkpoint as ocp  # deferred: only the write needs it
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(directory.resolve(), dict(tree))
+        checkpointer.wait_until_finished()
+
+
+class _GroupWriter:
+    """Saves converted tensors in orbax checkpoints of about ``budget`` bytes, as they come.
+
+    Orbax copies every array it saves; saving a group at a time (and dropping it) bounds the
+    process to about twice one group (or twice the largest tensor), instead of every kept
+    tensor twice over.
+    """
+
+    def __init__(self, directory: Path, budget: int) -> None:
+        self.directory, self.budget = directory, budget
+        self.pending: dict[str, dict[str, Any]] = {}
+        self.pending_bytes = 0
+        self.count = 0
+
+    @property
+    def group(self) -> str:
+        return f"{self.count:04d}"
+
+    def add(self, record: TensorRecord, value: Any) -> TensorRecord:
+        """Queues a tensor; saves the group once it reaches the budget (the caller then drops
+        its reference, so a large tensor is held only while orbax writes it)."""
+        leaves = _stored_leaves(value)
+        record = dataclasses.replace(record, group=self.group)
+        self.pending[record.name] = leaves
+        self.pending_bytes += sum(np.asarray(v).nbytes for v in leaves.values())
+        if self.pending_bytes >= self.budget:
+            self.flush()
+        return record
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.directory.mkdir(exist_ok=True)
+        _save_params(self.directory / self.group, self.pending)
+        self.pending, self.pending_bytes = {}, 0
+        self.count += 1
+
+
+class _Staging:
+    """A temporary directory beside ``out``, renamed into place by ``commit``; removed if the
+    block fails or is interrupted. With ``force`` an existing ``out`` is renamed away, the new
+    one renamed in, then the old one deleted (restored if the second rename fails)."""
+
+    def __init__(self, out: Path, *, force: bool) -> None:
+        self.out, self.force = out, force
+        out.parent.mkdir(parents=True, exist_ok=True)
+        self.path = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+
+    def __enter__(self) -> _Staging:
+        self.path.mkdir()
+        return self
+
+    def __exit__(self, kind: Any, *exc: Any) -> None:
+        if kind is not None:
+            _remove(self.path)
+
+    def commit(self) -> None:
+        out = self.out
+        if out.exists() or out.is_symlink():
+            if not self.force:
+                raise CheckpointError(
+                    f"{out} appeared during the conversion; refusing to overwrite it"
+                )
+            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+            try:
+                os.rename(self.path, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            _remove(old)
+        else:
+            os.rename(self.path, out)
+
+
+# --------------------------------------------------------------------------------------------
+# The conversion.
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from None
+    return data if isinstance(data, dict) else None
+
+
+def _source_order(ckpt: SafetensorsCheckpoint, entries: tuple[Entry, ...]) -> list[Entry]:
+    """Entries in shard order, then by offset, so each shard is read front to back once."""
+
+    def key(entry: Entry) -> tuple[str, int]:
+        name = entry.sources[0]
+        return (ckpt.shard_of(name), ckpt.info(name).begin)
+
+    return sorted(entries, key=key)
+
+
+def _progress_enabled(progress: bool) -> bool:
+    return progress and sys.stderr is not None and sys.stderr.isatty()
+
+
+def convert(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    precision: str | Precision | None = "keep",
+    head_precision: str | Precision | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Manifest:
+    """Converts the MTP drafter of the HF checkpoint ``src`` into ``out``; returns the manifest.
+
+    Args:
+      src: directory with ``config.json`` and ``model.safetensors`` or shards listed by
+        ``model.safetensors.index.json`` (``hf_quant_config.json`` is recorded when present).
+      out: the directory to create.
+      precision: ``keep`` (native formats, bit for bit) or ``bf16 | fp8 | nvfp4 | fp4``:
+        requantise every projection per ``projection_format`` (router and shared-expert gate
+        stay BF16; a dense head asked for NVFP4 keeps fc/k_proj/v_proj BF16).
+      head_precision: the LM head's precision (``keep | bf16 | fp8 | nvfp4``); None = ``precision``.
+      force: replace an existing ``out`` (only once the new one is complete).
+      progress: a progress bar over tensors on stderr (only when stderr is a terminal).
+
+    Raises:
+      CheckpointError (a ValueError) with a one-line reason naming the file, tensor, expected
+      and found values: missing MTP weights, wrong shapes, truncated or corrupt files, a tensor
+      the index lists but its shard lacks, an existing ``out`` without ``force``. ``out`` is left
+      as it was.
+    """
+    src, out = Path(src), Path(out)
+    target = parse_target_precision(precision)
+    head_target = target if head_precision is None else parse_target_precision(head_precision)
+    _check_paths(src, out, force)
+    try:
+        raw = load_hf_config(src)
+        cfg = DrafterConfig.from_hf_config(raw)
+    except (ValueError, FileNotFoundError) as err:
+        raise CheckpointError(f"{src / 'config.json'}: {err}") from None
+    quant_config = _read_json(src / QUANT_CONFIG_FILE)
+    records: list[TensorRecord] = []
+    with SafetensorsCheckpoint(src) as ckpt, _Staging(out, force=force) as staging:
+        conversion: Plan = plan(cfg, ckpt, raw)
+        entries = _source_order(ckpt, conversion.entries)
+        writer = _GroupWriter(staging.path / PARAMS_DIR, GROUP_BYTES)
+        total = sum(len(e.sources) for e in entries)
+        with tqdm(
+            total=total, desc="converting", unit="tensor", disable=not _progress_enabled(progress)
+        ) as bar:
+            for entry in entries:
+                bar.set_postfix_str(entry.name, refresh=False)
+                value, record = _convert_entry(ckpt, entry, cfg, target, head_target)
+                records.append(writer.add(record, value))
+                del value
+                bar.update(len(entry.sources))
+        writer.flush()
+        order = {e.name: i for i, e in enumerate(conversion.entries)}
+        records.sort(key=lambda r: order[r.name])
+        manifest = Manifest(
+            format_version=FORMAT_VERSION,
+            architecture=cfg.architecture.value,
+            num_mtp_modules=cfg.num_mtp_modules,
+            runnable=cfg.runnable,
+            unsupported_reason=cfg.unsupported_reason,
+            precision=describe_precision(target),
+            head_precision=describe_precision(head_target),
+            layout=conversion.layout,
+            tied_embeddings=conversion.tied_embeddings,
+            mtp_prefixes=conversion.mtp_prefixes,
+            source=str(src),
+            config=raw,
+            quant_config=quant_config,
+            tensors=tuple(records),
+        )
+        (staging.path / MANIFEST_FILE).write_text(json.dumps(manifest.to_json(), indent=1) + "\n")
+        staging.commit()
+    return manifest

@@ -1,0 +1,170 @@
+"""Loading a converted checkpoint: ``load_drafter(path) -> (cfg, params)``.
+
+    cfg, ckpt = load_drafter("out/qwen3-next-mtp")
+    out = drafter_forward(ckpt.modules[0], ckpt.head, tokens, hidden, cfg=cfg)
+
+The abstract shape of every leaf is derived from the manifest, so orbax restores straight onto
+the requested placement: one ``jax.sharding.Sharding`` for every leaf, or a callable from a
+leaf's path (``"modules.0.layer.attention.q_proj.w"``, ``"head.embedding"``; for the named tree
+of a non-runnable family ``"model.layers.61.eh_proj.q"``) to a sharding (None = first device).
+A leaf shared by several modules (Qwen's ``fc`` and norms) is placed by its first path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mtpjax.checkpoint.convert import (
+    ARRAY_LEAF,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    PARAMS_DIR,
+    Manifest,
+    TensorRecord,
+)
+from mtpjax.checkpoint.formats import weight_class
+from mtpjax.checkpoint.layouts import DrafterCheckpoint, assemble
+from mtpjax.checkpoint.safetensors_io import CheckpointError
+from mtpjax.config import DrafterConfig
+from mtpjax.weights import Weight, WeightFormat
+
+__all__ = ["ShardingSpec", "load_drafter", "read_manifest"]
+
+ShardingSpec = jax.sharding.Sharding | Callable[[str], jax.sharding.Sharding | None] | None
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """The manifest of the converted checkpoint in directory ``path``."""
+    file = Path(path) / MANIFEST_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no {MANIFEST_FILE}; not a converted mtpjax checkpoint")
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{file}: format_version {version!r}, this mtpjax reads {FORMAT_VERSION}; "
+                "convert the checkpoint again"
+            )
+        return Manifest.from_json(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{file}: corrupt manifest ({type(err).__name__}: {err})") from None
+
+
+def _abstract(record: TensorRecord) -> Any:
+    """The record as a weight of ``ShapeDtypeStruct`` leaves, or one ``ShapeDtypeStruct``."""
+    leaves = {
+        k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+        for k, (dtype, shape) in record.leaves.items()
+    }
+    if record.format is None:
+        return leaves[ARRAY_LEAF]
+    return weight_class(WeightFormat(record.format))(**leaves)
+
+
+def _build(record: TensorRecord, leaves: Mapping[str, jax.Array]) -> Weight | jax.Array:
+    if record.format is None:
+        return leaves[ARRAY_LEAF]
+    return weight_class(WeightFormat(record.format))(**leaves)
+
+
+def _placements(structure: Any, sharding: ShardingSpec) -> dict[int, jax.sharding.Sharding]:
+    """``id(ShapeDtypeStruct)`` -> its sharding, each leaf placed by its first path."""
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placed: dict[int, jax.sharding.Sharding] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(structure)[0]:
+        if id(leaf) in placed:
+            continue
+        if sharding is None:
+            s = default
+        elif isinstance(sharding, jax.sharding.Sharding):
+            s = sharding
+        else:
+            s = sharding(jax.tree_util.keystr(path, simple=True, separator=".")) or default
+        placed[id(leaf)] = s
+    return placed
+
+
+def _restore(
+    directory: Path,
+    target: dict[str, dict[str, jax.ShapeDtypeStruct]],
+    groups: Mapping[str, str],
+) -> dict:
+    """Restores every tensor of ``target`` from its group checkpoint under ``directory``."""
+    import orbax.checkpoint as ocp  # deferred: the import is slow and only loading needs it
+
+    by_group: dict[str, list[str]] = {}
+    for name in target:
+        by_group.setdefault(groups[name], []).append(name)
+    restored: dict = {}
+    with ocp.StandardCheckpointer() as checkpointer:
+        for group, names in by_group.items():
+            path = directory / group
+            if not path.is_dir():
+                raise CheckpointError(f"{path}: missing; the converted checkpoint is incomplete")
+            restored |= checkpointer.restore(path.resolve(), {n: target[n] for n in names})
+    return restored
+
+
+def load_drafter(
+    path: str | os.PathLike,
+    *,
+    sharding: ShardingSpec = None,
+    allow_unrunnable: bool = False,
+    mtp_vocab_size: int | None = None,
+) -> tuple[DrafterConfig, DrafterCheckpoint | dict[str, Weight | jax.Array]]:
+    """Restores a checkpoint written by ``convert``.
+
+    Args:
+      path: the converted checkpoint directory.
+      sharding: where the leaves go: a ``jax.sharding.Sharding`` applied to every leaf, a
+        callable from leaf path to sharding (None for the default), or None (first device).
+      allow_unrunnable: for a family the drafter does not run yet (DeepSeek-V3, GLM-4.5, MiMo),
+        return its converted tensors by name instead of raising.
+      mtp_vocab_size: passed to ``DrafterConfig.from_hf_config`` (a reduced draft vocab).
+
+    Returns:
+      ``(cfg, DrafterCheckpoint)`` for runnable families (``modules[i]`` is MTP module ``i``,
+      ``head`` the target's embedding / LM head / final norm), or ``(cfg, {name: weight or
+      array})`` for the others with ``allow_unrunnable=True``.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    cfg = manifest.drafter_config(mtp_vocab_size=mtp_vocab_size)
+    if not cfg.runnable and not allow_unrunnable:
+        raise CheckpointError(
+            f"{path}: the converted {cfg.architecture.value} checkpoint holds an MTP drafter "
+            f"mtpjax cannot run yet: {cfg.unsupported_reason} (load_drafter(..., "
+            "allow_unrunnable=True) returns its tensors by name)"
+        )
+    abstract = {record.name: _abstract(record) for record in manifest.tensors}
+    structure = assemble(abstract, cfg) if cfg.runnable else abstract
+    placed = _placements(structure, sharding)
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
+    for record in manifest.tensors:
+        node = abstract[record.name]
+        for leaf_name, leaf in _leaves_of(record, node).items():
+            s = placed.get(id(leaf), default)
+            target.setdefault(record.name, {})[leaf_name] = jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=s
+            )
+    groups = {r.name: r.group for r in manifest.tensors}
+    restored = _restore(path / PARAMS_DIR, target, groups)
+    named = {r.name: _build(r, restored[r.name]) for r in manifest.tensors}
+    if cfg.runnable:
+        return cfg, assemble(named, cfg)
+    return cfg, named
+
+
+def _leaves_of(record: TensorRecord, node: Any) -> dict[str, jax.ShapeDtypeStruct]:
+    if record.format is None:
+        return {ARRAY_LEAF: node}
+    return {k: getattr(node, k) for k in record.leaves}
