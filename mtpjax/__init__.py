@@ -1,6 +1,68 @@
-"""mtpjax: pure-functional JAX/Pallas multi-token-prediction speculative decoding.
+"""mtpjax: pure-functional JAX/Pallas multi-token-prediction (MTP) speculative decoding.
 
-The public API is re-exported here; each concern lives in its own module (see README).
+Every step is `f(params, state, inputs, *, cfg) -> (outputs, new_state)` over explicit pytrees;
+each public step is one `jax.jit`. The most used names are re-exported here; each concern lives
+in its own subpackage:
+
+    mtpjax.config      typed configs built from Hugging Face config.json
+    mtpjax.weights     BF16 / FP8 / FP8 block-128 / NVFP4 weights, quantize, linear
+    mtpjax.kv          paged KV pool, functional block allocator, drafter state
+    mtpjax.layers      norms, RoPE, gated GQA attention, dense and MoE FFN
+    mtpjax.drafter     the MTP drafter: init, drafter_forward, propose, after_verify, prefill
+    mtpjax.head        the target LM head (row-count tiers, vocab-parallel variant)
+    mtpjax.verify      acceptance rule, the verify step, vLLM-compatible metrics
+    mtpjax.checkpoint  Hugging Face checkpoint conversion and load_drafter
+    mtpjax.reference   the reference target model used by the demo and the tests
+
+Note: `mtpjax.verify` here is the verify step; its subpackage is imported with
+`from mtpjax.verify import ...`.
 """
 
+from mtpjax.checkpoint import DrafterCheckpoint, load_drafter
+from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
+from mtpjax.drafter import (
+    DrafterParams,
+    Pairs,
+    ProposeOutput,
+    after_verify,
+    drafter_forward,
+    prefill,
+    propose,
+    rows_to_trim,
+)
+from mtpjax.head import LMHeadParams, lm_head
+from mtpjax.kv import DrafterState, init_state
+from mtpjax.verify import SpecDecodeMetrics, VerifyOutput, accept, verify
+from mtpjax.weights import Precision, dequantize, linear, parse_precision, quantize
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "DrafterCheckpoint",
+    "DrafterConfig",
+    "DrafterParams",
+    "DrafterState",
+    "HiddenContract",
+    "LMHeadConfig",
+    "LMHeadParams",
+    "Pairs",
+    "Precision",
+    "ProposeOutput",
+    "SpecDecodeMetrics",
+    "VerifyOutput",
+    "__version__",
+    "accept",
+    "after_verify",
+    "dequantize",
+    "drafter_forward",
+    "init_state",
+    "linear",
+    "lm_head",
+    "load_drafter",
+    "parse_precision",
+    "prefill",
+    "propose",
+    "quantize",
+    "rows_to_trim",
+    "verify",
+]
