@@ -1,0 +1,492 @@
+"""GEMV and batched GEMV over BF16, FP8 per-row, FP8 block-128 and NVFP4 weights.
+
+One kernel family: a grid over blocks of ``block_n`` weight rows (times ``split_k`` slices of K);
+each program streams its rows once, K in ``block_k`` steps, for every activation row at once, so
+M = 2..32 rows cost one pass over the weight. Two ways to do the multiply-add:
+
+* ``compute="fma"``: dequantise to F32 and reduce with FMAs (best for one or two rows);
+* ``compute="dot"``: dequantise to a float16 (BF16 for BF16 weights) tile and use the tensor
+  cores with the rows padded to 16 (``pl.dot``), the batched-GEMV form.
+
+Shapes (DESIGN §3 leaf layouts):
+  x:         bf16[M, K]                      activations, M <= 32
+  w:         bf16[N, K]                      BF16
+  q, scale:  float8_e4m3fn[N, K], f32[N]      FP8 per-row
+  q, s_inv:  float8_e4m3fn[N, K], f32[ceil(N/128), ceil(K/128)]   FP8 block-128
+  packed, scale, scale_2: uint8[N, K/2], float8_e4m3fn[N, K/16], f32[]   NVFP4
+  out:       f32[M, N]
+
+Numerics: weights are dequantised exactly (E2M1*E4M3 and E4M3 are exact in float16), products
+and sums are F32, and the F32 row/global scale is applied once at the end. The ``dot`` path
+scales each activation row by a power of two into float16 range first (exact for every bf16
+value that matters, see ``_common.to_f16_rowscaled``). Each kernel has a ``*_reference`` twin with
+the same signature in pure ``jnp`` that is the CPU fallback and the test oracle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import _common as C
+
+Format = Literal["bf16", "fp8_row", "fp8_block", "nvfp4"]
+FORMATS: tuple[str, ...] = ("bf16", "fp8_row", "fp8_block", "nvfp4")
+MAX_ROWS = 32
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GemvConfig:
+    """Tile sizes and lowering knobs of the GEMV kernels.
+
+    Attributes:
+      block_n: weight rows per program (power of two; <= 128 for FP8 block-128).
+      block_k: K elements per loop step (power of two, >= 64; a multiple of 128 for FP8
+        block-128).
+      split_k: number of K slices run as separate programs and summed afterwards (fills the
+        GPU when N is small).
+      num_warps, num_stages: Triton launch parameters.
+      compute: "fma" (F32 FMAs per row) or "dot" (tensor cores, rows padded to 16).
+      decode: NVFP4 nibble decoder, "asm" (inline PTX) or "arith" (integer ops; also the
+        interpret-mode path).
+      prefetch: issue the loads of step i+1 before the math of step i (loop-carried registers).
+        On H200 it was 13-71% slower than Triton's own ``num_stages`` pipelining for the FMA and
+        plain-dot paths, and 22% faster for the NVFP4 dot path (where the decode sits between
+        the load and the dot), so the heuristic turns it on only there.
+    """
+
+    block_n: int = 64
+    block_k: int = 512
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    compute: Literal["fma", "dot"] = "fma"
+    decode: Literal["asm", "arith"] = "asm"
+    prefetch: bool = False
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if not C.is_pow2(v):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        if self.block_k < 64:
+            raise ValueError(f"block_k must be >= 64, got {self.block_k}")
+        if self.block_n < 16:
+            raise ValueError(f"block_n must be >= 16, got {self.block_n}")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError("split_k and num_stages must be >= 1")
+        if self.compute not in ("fma", "dot"):
+            raise ValueError(f"compute must be 'fma' or 'dot', got {self.compute!r}")
+        if self.decode not in ("asm", "arith"):
+            raise ValueError(f"decode must be 'asm' or 'arith', got {self.decode!r}")
+
+
+_NUM_SMS = 132
+
+
+def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
+    """Heuristic tiles (measured on H200): enough programs to fill 132 SMs several times."""
+    warps = 4
+    if fmt == "bf16":
+        compute, block_n, block_k = "dot", 64, 128
+    elif fmt == "fp8_block":
+        compute, block_n, block_k = "dot", 64, 256
+    elif fmt == "fp8_row":
+        compute, block_n, block_k = ("fma", 64, 512) if m <= 2 else ("dot", 64, 256)
+        warps = 8 if compute == "fma" else 4
+    else:
+        compute, block_n, block_k = ("fma", 32, 512) if m <= 2 else ("dot", 64, 256)
+    block_k = min(block_k, max(128, C.next_pow2(k)))
+    programs = C.cdiv(n, block_n)
+    iters = C.cdiv(k, block_k)
+    split_k = 1
+    while programs * split_k < 4 * _NUM_SMS and split_k * 2 <= iters:
+        split_k *= 2
+    return GemvConfig(
+        block_n=block_n,
+        block_k=block_k,
+        split_k=split_k,
+        num_warps=warps,
+        num_stages=3,
+        compute=compute,
+        decode="asm",
+        # Measured: prefetch helps only the NVFP4 tensor-core path (decode between load and dot).
+        prefetch=fmt == "nvfp4" and compute == "dot",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel.
+# ---------------------------------------------------------------------------------------------
+
+
+def _masked_load(ref_view, mask):
+    if mask is None:
+        return ref_view[...]
+    return plgpu.load(ref_view, mask=mask, other=0)
+
+
+def _and_masks(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a & b
+
+
+def _gemv_kernel(
+    *refs, fmt, m, m_pad, n, k, bn, bk, iters_per_split, total_iters, compute, asm, prefetch
+):
+    """One program: rows [n0, n0+bn) x K slice ``program_id(1)``; writes o[s, :, rows].
+
+    Refs (f8 data arrives as uint8 bytes):
+      nvfp4:     x_even, x_odd, xinv, packed3 u8[N, K/16, 8], scale u8[N, K/16], gscale f32[1]
+      fp8_row:   x, xinv, q u8[N, K], row_scale f32[N]
+      fp8_block: x, xinv, q u8[N, K], scale_inv f32[N/128, K/128]
+      bf16:      x, xinv, w bf16[N, K]
+    x operands are bf16[M, .] for ``compute="fma"`` and float16/bf16[m_pad, .] for "dot"; NVFP4
+    takes the even and odd K columns separately (shaped [M, K/16, 8] for fma).
+    """
+    if fmt == "nvfp4":
+        xe_ref, xo_ref, xinv_ref, packed_ref, scale_ref, gscale_ref, o_ref = refs
+    elif fmt == "fp8_row":
+        x_ref, xinv_ref, q_ref, rscale_ref, o_ref = refs
+    elif fmt == "fp8_block":
+        x_ref, xinv_ref, q_ref, sinv_ref, o_ref = refs
+    else:
+        x_ref, xinv_ref, w_ref, o_ref = refs
+    pid_n = pl.program_id(0)
+    pid_s = pl.program_id(1)
+    n0 = pid_n * bn
+    rows = n0 + jnp.arange(bn, dtype=jnp.int32)
+    row_ok = (rows < n) if n % bn else None
+    k_tail = k % bk != 0
+    fma = compute == "fma"
+    wdt = jnp.float32 if fma else jnp.float16
+
+    def cmask(start, width, per):
+        """Columns [start, start + width) (in units of ``per`` K elements) that lie inside K."""
+        if not k_tail:
+            return None
+        return (start + jnp.arange(width, dtype=jnp.int32)) * per < k
+
+    def rmask2(colmask):
+        return _and_masks(
+            None if row_ok is None else row_ok[:, None], None if colmask is None else colmask[None]
+        )
+
+    def load_x(ref, start, width, per):
+        cm = cmask(start, width, per)
+        if fma:
+            return tuple(
+                _masked_load(ref.at[jnp.int32(r), pl.ds(start, width)], cm) for r in range(m)
+            )
+        return _masked_load(ref.at[:, pl.ds(start, width)], None if cm is None else cm[None])
+
+    def load(i):
+        """Raw tiles of loop step i (issued one step ahead when prefetching)."""
+        if fmt == "nvfp4":
+            kg = bk // 16
+            g0 = i * kg
+            gm = cmask(g0, kg, 16)
+            m2 = rmask2(gm)
+            codes = _masked_load(
+                packed_ref.at[pl.ds(n0, bn), pl.ds(g0, kg), :],
+                None if m2 is None else m2[:, :, None],
+            )
+            sc = _masked_load(scale_ref.at[pl.ds(n0, bn), pl.ds(g0, kg)], m2)
+            if fma:
+                xs = tuple(
+                    tuple(
+                        _masked_load(
+                            ref.at[jnp.int32(r), pl.ds(g0, kg), :],
+                            None if gm is None else gm[:, None],
+                        )
+                        for r in range(m)
+                    )
+                    for ref in (xe_ref, xo_ref)
+                )
+            else:
+                b0 = i * (bk // 2)
+                xs = (load_x(xe_ref, b0, bk // 2, 2), load_x(xo_ref, b0, bk // 2, 2))
+            return codes, sc, xs
+        if fmt == "fp8_block":
+            chunks = []
+            kbs = sinv_ref.shape[1]
+            for c in range(bk // 128):
+                kc = i * bk + c * 128
+                q = _masked_load(q_ref.at[pl.ds(n0, bn), pl.ds(kc, 128)], rmask2(cmask(kc, 128, 1)))
+                s = sinv_ref[n0 // 128, jnp.minimum(i * (bk // 128) + c, kbs - 1)]
+                chunks.append((q, s, load_x(x_ref, kc, 128, 1)))
+            return tuple(chunks)
+        src = q_ref if fmt == "fp8_row" else w_ref
+        k0 = i * bk
+        w = _masked_load(src.at[pl.ds(n0, bn), pl.ds(k0, bk)], rmask2(cmask(k0, bk, 1)))
+        return w, load_x(x_ref, k0, bk, 1)
+
+    def fma_rows(acc, w32, xs, factor=None):
+        out = []
+        for r in range(m):
+            part = jnp.sum(w32 * xs[r].astype(jnp.float32)[None, :], axis=1)
+            out.append(acc[r] + (part if factor is None else part * factor))
+        return tuple(out)
+
+    def dot_rows(w, xt):
+        return jax.lax.dot_general(
+            w, xt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    def compute_step(raw, acc):
+        if fmt == "nvfp4":
+            codes, sc, xs = raw
+            kg = bk // 16
+            sc16 = jnp.broadcast_to(C.from_u8_e4m3(sc, jnp.float16)[:, :, None], (bn, kg, 8))
+            lo, hi = C.decode_e2m1_scaled(codes, sc16, use_asm=asm)
+            if fma:
+                (xe, xo) = xs
+                lo32, hi32 = lo.astype(jnp.float32), hi.astype(jnp.float32)
+                out = []
+                for r in range(m):
+                    prod = (
+                        lo32 * xe[r].astype(jnp.float32)[None]
+                        + hi32 * xo[r].astype(jnp.float32)[None]
+                    )
+                    # [bn, kg] per-group partial sums; the cross-thread sum waits for the end.
+                    out.append(acc[r] + jnp.sum(prod, axis=2))
+                return tuple(out)
+            xe, xo = xs
+            kb = bk // 2
+            return acc + dot_rows(lo.reshape(bn, kb), xe) + dot_rows(hi.reshape(bn, kb), xo)
+        if fmt == "fp8_block":
+            for q, s, xt in raw:
+                w = C.from_u8_e4m3(q, wdt)
+                acc = fma_rows(acc, w, xt, s) if fma else acc + dot_rows(w, xt) * s
+            return acc
+        w, xt = raw
+        if fmt == "fp8_row":
+            w = C.from_u8_e4m3(w, wdt)
+        if fma:
+            return fma_rows(acc, w.astype(jnp.float32), xt)
+        return acc + dot_rows(w, xt)
+
+    if fma:
+        shape = (bn, bk // 16) if fmt == "nvfp4" else (bn,)
+        acc0 = tuple(jnp.zeros(shape, jnp.float32) for _ in range(m))
+    else:
+        acc0 = jnp.zeros((bn, m_pad), jnp.float32)
+    if iters_per_split >= total_iters:
+        lo_it, hi_it = 0, total_iters
+    else:
+        lo_it = pid_s * iters_per_split
+        hi_it = jnp.minimum(lo_it + iters_per_split, total_iters)
+    if prefetch:
+
+        def body(i, carry):
+            acc, raw = carry
+            nxt = load(jnp.minimum(i + 1, hi_it - 1))
+            return compute_step(raw, acc), nxt
+
+        acc, _ = jax.lax.fori_loop(lo_it, hi_it, body, (acc0, load(lo_it)))
+    else:
+        acc = jax.lax.fori_loop(lo_it, hi_it, lambda i, a: compute_step(load(i), a), acc0)
+
+    # Epilogue: per-row (weight) and per-activation-row scales, then a masked store.
+    row_scale = None
+    if fmt == "fp8_row":
+        row_scale = _masked_load(rscale_ref.at[pl.ds(n0, bn)], row_ok)
+    gscale = None
+    if fmt == "nvfp4":
+        gscale = gscale_ref[0] * C.E2M1_F16_UNBIAS
+    if fma:
+        for r in range(m):
+            v = jnp.sum(acc[r], axis=1) if fmt == "nvfp4" else acc[r]
+            if row_scale is not None:
+                v = v * row_scale
+            if gscale is not None:
+                v = v * gscale
+            dst = o_ref.at[pid_s, jnp.int32(r), pl.ds(n0, bn)]
+            if row_ok is None:
+                dst[...] = v
+            else:
+                plgpu.store(dst, v, mask=row_ok)
+        return
+    v = acc * xinv_ref[...][None, :]
+    if row_scale is not None:
+        v = v * row_scale[:, None]
+    if gscale is not None:
+        v = v * gscale
+    v = v.T  # [m_pad, bn]
+    rmask = (jnp.arange(m_pad, dtype=jnp.int32) < m)[:, None]
+    mask = _and_masks(rmask, None if row_ok is None else row_ok[None, :])
+    plgpu.store(o_ref.at[pid_s, pl.ds(0, m_pad), pl.ds(n0, bn)], v, mask=mask)
+
+
+def _gemv(
+    fmt: str, x: jax.Array, weights: tuple[jax.Array, ...], n: int, k: int, config, interpret
+):
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}], got {x.shape}")
+    m = x.shape[0]
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"GEMV kernels take 1..{MAX_ROWS} rows, got {m}; use verify_gemm")
+    cfg = config or default_config(fmt, m, n, k)
+    if fmt == "fp8_block" and (cfg.block_n > 128 or cfg.block_k % 128):
+        raise ValueError("FP8 block-128 needs block_n <= 128 and block_k a multiple of 128")
+    bn, bk = cfg.block_n, cfg.block_k
+    asm = cfg.decode == "asm" and not interpret
+    total_iters = C.cdiv(k, bk)
+    split = max(1, min(cfg.split_k, total_iters))
+    iters_per_split = C.cdiv(total_iters, split)
+    split = C.cdiv(total_iters, iters_per_split)
+    compute = cfg.compute
+    m_pad = max(16, C.next_pow2(m)) if compute == "dot" else m
+    if compute == "dot":
+        if fmt == "bf16":
+            xk = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
+            xinv = jnp.ones((m_pad,), jnp.float32)
+        else:
+            xk, xinv = C.to_f16_rowscaled(x, m_pad)
+            xinv = jnp.pad(xinv, (0, m_pad - m))
+    else:
+        xk = x.astype(jnp.bfloat16)
+        xinv = jnp.ones((1,), jnp.float32)
+    if fmt == "nvfp4":
+        rows = xk.shape[0]
+        x2 = xk.reshape(rows, k // 2, 2)
+        xe, xo = x2[:, :, 0], x2[:, :, 1]
+        if compute == "fma":
+            xe, xo = xe.reshape(rows, k // 16, 8), xo.reshape(rows, k // 16, 8)
+        xs = (xe, xo)
+    else:
+        xs = (xk,)
+    kernel = functools.partial(
+        _gemv_kernel,
+        fmt=fmt,
+        m=m,
+        m_pad=m_pad,
+        n=n,
+        k=k,
+        bn=bn,
+        bk=bk,
+        iters_per_split=iters_per_split,
+        total_iters=total_iters,
+        compute=compute,
+        asm=asm,
+        prefetch=cfg.prefetch,
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32),
+        grid=(C.cdiv(n, bn), split),
+        compiler_params=C.compiler_params(cfg.num_warps, cfg.num_stages),
+        interpret=interpret,
+        name=f"{fmt}_gemv",
+    )(*xs, xinv, *weights)
+    return out[0] if split == 1 else jnp.sum(out, axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public kernels and their references.
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def bf16_gemv(
+    x: jax.Array, w: jax.Array, *, config: GemvConfig | None = None, interpret: bool = False
+) -> jax.Array:
+    """``x @ w.T`` for x bf16[M, K] (M <= 32), w bf16[N, K] -> f32[M, N]."""
+    n, k = w.shape
+    return _gemv("bf16", x, (w,), n, k, config, interpret)
+
+
+def bf16_gemv_reference(x, w, *, config=None, interpret=False):
+    del config, interpret
+    return jnp.dot(
+        x.astype(jnp.float32), w.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def fp8_row_gemv(
+    x: jax.Array,
+    q: jax.Array,
+    scale: jax.Array,
+    *,
+    config: GemvConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x @ (q * scale[:, None]).T`` for q float8_e4m3fn[N, K], scale f32[N] -> f32[M, N]."""
+    n, k = q.shape
+    return _gemv("fp8_row", x, (C.as_u8(q), scale.astype(jnp.float32)), n, k, config, interpret)
+
+
+def fp8_row_gemv_reference(x, q, scale, *, config=None, interpret=False):
+    del config, interpret
+    w = q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def fp8_block_gemv(
+    x: jax.Array,
+    q: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    config: GemvConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """``x @ w.T`` with ``w = q * scale_inv[n // 128, k // 128]`` -> f32[M, N]."""
+    n, k = q.shape
+    if scale_inv.shape != (C.cdiv(n, 128), C.cdiv(k, 128)):
+        raise ValueError(f"scale_inv must be [{C.cdiv(n, 128)}, {C.cdiv(k, 128)}]")
+    sinv = scale_inv.astype(jnp.float32)
+    return _gemv("fp8_block", x, (C.as_u8(q), sinv), n, k, config, interpret)
+
+
+def fp8_block_gemv_reference(x, q, scale_inv, *, config=None, interpret=False):
+    del config, interpret
+    w = C.dequant_fp8_block(q, scale_inv)
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def nvfp4_gemv(
+    x: jax.Array,
+    packed: jax.Array,
+    scale: jax.Array,
+    scale_2: jax.Array,
+    *,
+    config: GemvConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """NVFP4 W4A16: x bf16[M, K] times packed uint8[N, K/2] / scale f8[N, K/16] / scale_2 f32[].
+
+    Returns f32[M, N]. K must be a multiple of 16.
+    """
+    n, kh = packed.shape
+    k = kh * 2
+    if k % 16 or scale.shape != (n, k // 16):
+        raise ValueError(f"NVFP4 needs K % 16 == 0 and scale [{n}, {k // 16}], got {scale.shape}")
+    gs = jnp.asarray(scale_2, jnp.float32).reshape(1)
+    packed3 = packed.reshape(n, k // 16, 8)
+    return _gemv("nvfp4", x, (packed3, C.as_u8(scale), gs), n, k, config, interpret)
+
+
+def nvfp4_gemv_reference(x, packed, scale, scale_2, *, config=None, interpret=False):
+    del config, interpret
+    w = C.dequant_nvfp4(packed, scale, scale_2)
+    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+
+
+KERNELS = {
+    "bf16": (bf16_gemv, bf16_gemv_reference),
+    "fp8_row": (fp8_row_gemv, fp8_row_gemv_reference),
+    "fp8_block": (fp8_block_gemv, fp8_block_gemv_reference),
+    "nvfp4": (nvfp4_gemv, nvfp4_gemv_reference),
+}

@@ -1,0 +1,111 @@
+"""Paged decode attention (interpret mode) against the reference and a dense float64 oracle."""
+
+from __future__ import annotations
+
+import importlib
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+# The package re-exports the function under the module's name, so import the module explicitly.
+P = importlib.import_module("pallas_kernels.paged_attention")
+
+
+def _inputs(rng, b, n_q, n_kv, d, bs, max_blocks, kv):
+    nb = b * max_blocks + 3
+    q = rng.standard_normal((b, n_q, d)).astype(np.float32)
+    k = rng.standard_normal((nb, bs, n_kv, d)).astype(np.float32) * 2
+    v = rng.standard_normal((nb, bs, n_kv, d)).astype(np.float32) * 2
+    bt = rng.permutation(nb)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+    kw = {}
+    if kv == "bf16":
+        k, v = k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16)
+    else:
+        k, v = k.astype(ml_dtypes.float8_e4m3fn), v.astype(ml_dtypes.float8_e4m3fn)
+        if kv == "fp8_block":
+            kw = dict(
+                k_scale=jnp.asarray(rng.uniform(0.2, 2.0, (nb, n_kv)), jnp.float32),
+                v_scale=jnp.asarray(rng.uniform(0.2, 2.0, (nb, n_kv)), jnp.float32),
+            )
+        else:
+            kw = dict(k_scale=jnp.float32(0.6), v_scale=jnp.float32(1.7))
+    return jnp.asarray(q, jnp.bfloat16), jnp.asarray(k), jnp.asarray(v), jnp.asarray(bt), kw
+
+
+def _dense_oracle(q, k, v, bt, lengths, scale, kw):
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k, np.float64)
+    v = np.asarray(v, np.float64)
+    nb, bs, n_kv, d = k.shape
+    if kw:
+        ks = np.broadcast_to(np.asarray(kw["k_scale"], np.float64), (nb, n_kv))
+        vs = np.broadcast_to(np.asarray(kw["v_scale"], np.float64), (nb, n_kv))
+        k = k * ks[:, None, :, None]
+        v = v * vs[:, None, :, None]
+    b, n_q, _ = q.shape
+    g = n_q // n_kv
+    out = np.zeros((b, n_q, d))
+    for s in range(b):
+        length = int(lengths[s])
+        if length == 0:
+            continue
+        rows = [(int(bt[s, t // bs]), t % bs) for t in range(length)]
+        ks_ = np.stack([k[p, r] for p, r in rows])  # [T, n_kv, D]
+        vs_ = np.stack([v[p, r] for p, r in rows])
+        for h in range(n_q):
+            logits = ks_[:, h // g] @ q[s, h] * scale
+            p = np.exp(logits - logits.max())
+            out[s, h] = (p / p.sum()) @ vs_[:, h // g]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kv", "n_q", "n_kv", "cfg"),
+    [
+        ("bf16", 8, 2, P.PagedAttentionConfig(pages_per_step=2, splits=3)),
+        ("fp8_block", 4, 4, P.PagedAttentionConfig(pages_per_step=4, splits=1)),
+        ("fp8_tensor", 16, 2, None),
+    ],
+)
+def test_paged_attention_matches_oracle(kv, n_q, n_kv, cfg):
+    rng = np.random.default_rng(n_q + n_kv)
+    b, d, bs, max_blocks = 4, 32, 16, 6
+    q, k, v, bt, kw = _inputs(rng, b, n_q, n_kv, d, bs, max_blocks, kv)
+    # Full, block-boundary, partial and empty sequences.
+    lengths = jnp.asarray([max_blocks * bs, 2 * bs, 37, 0], jnp.int32)
+    scale = d**-0.5
+    out = P.paged_attention(q, k, v, bt, lengths, scale=scale, config=cfg, interpret=True, **kw)
+    ref = P.paged_attention_reference(q, k, v, bt, lengths, scale=scale, **kw)
+    oracle = _dense_oracle(q, k, v, np.asarray(bt), np.asarray(lengths), scale, kw)
+    assert out.shape == (b, n_q, d) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(ref), oracle, atol=1e-5, rtol=1e-5)
+    # Probabilities meet V in 16-bit floats on the tensor cores: bf16-level tolerance.
+    np.testing.assert_allclose(np.asarray(out), oracle, atol=3e-2, rtol=0)
+    assert np.linalg.norm(np.asarray(out) - oracle) / np.linalg.norm(oracle) < 5e-3
+    np.testing.assert_array_equal(np.asarray(out[3]), 0.0)
+
+
+def test_out_dtype_and_unused_table_entries():
+    rng = np.random.default_rng(2)
+    q, k, v, bt, _ = _inputs(rng, 2, 4, 2, 16, 8, 5, "bf16")
+    bt = bt.at[:, 3:].set(-1)  # entries past the length are never read
+    lengths = jnp.asarray([20, 24], jnp.int32)
+    out = P.paged_attention(
+        q, k, v, bt, lengths, scale=0.25, out_dtype=jnp.bfloat16, interpret=True
+    )
+    assert out.dtype == jnp.bfloat16
+    oracle = _dense_oracle(q, k, v, np.asarray(bt), np.asarray(lengths), 0.25, {})
+    np.testing.assert_allclose(np.asarray(out, np.float32), oracle, atol=5e-2)
+
+
+def test_rejects_bad_inputs():
+    rng = np.random.default_rng(3)
+    q, k, v, bt, _ = _inputs(rng, 2, 4, 2, 16, 8, 3, "fp8_tensor")
+    lengths = jnp.asarray([5, 5], jnp.int32)
+    with pytest.raises(ValueError, match="FP8"):
+        P.paged_attention(q, k, v, bt, lengths, scale=1.0, interpret=True)
+    q3, k3, v3, bt3, _ = _inputs(rng, 2, 6, 4, 16, 8, 3, "bf16")
+    with pytest.raises(ValueError, match="multiple"):
+        P.paged_attention(q3, k3, v3, bt3, lengths, scale=1.0, interpret=True)
