@@ -6,10 +6,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from mtpjax import drafter
-from mtpjax.verify import metrics, verify
-from tests.drafter_helpers import (
+from drafter_helpers import (
     V,
     clone,
     make,
@@ -19,6 +16,9 @@ from tests.drafter_helpers import (
     random_pairs,
     tiny_cfg,
 )
+
+from mtpjax import drafter
+from mtpjax.verify import metrics, verify
 
 K = 3
 

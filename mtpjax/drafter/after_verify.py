@@ -86,9 +86,14 @@ def after_verify(
     Returns:
       (rows trimmed int32[B], new state) with ``seq_len`` and ``last_pair_key`` lowered by the
       trim and ``last_num_drafted = 0`` (a second call trims nothing). Sequences that did not
-      draft (``last_num_drafted == 0``) are untouched.
+      draft (``last_num_drafted == 0``) are untouched. A `MultiDrafterState` is trimmed by
+      `multi_module.after_verify_multi` (then the trims are int32[B, N], one per module).
     """
     if not isinstance(state, DrafterState):
+        from mtpjax.drafter import multi_module  # it builds on this module
+
+        if isinstance(state, multi_module.MultiDrafterState):
+            return multi_module.after_verify_multi.__wrapped__(state, num_accepted, refeed=refeed)
         raise TypeError(f"state must be a DrafterState, got {type(state).__name__}")
     B = state.num_seqs
     num_accepted = jnp.asarray(num_accepted, jnp.int32)
@@ -110,6 +115,10 @@ def free(state: DrafterState, mask: jax.Array) -> DrafterState:
     """Returns the blocks of the sequences where ``mask`` bool[B] to the allocator and resets
     their rows and bookkeeping (``last_pair_key = -1``). ``state`` is donated."""
     if not isinstance(state, DrafterState):
+        from mtpjax.drafter import multi_module  # it builds on this module
+
+        if isinstance(state, multi_module.MultiDrafterState):
+            return multi_module.free_multi.__wrapped__(state, mask)
         raise TypeError(f"state must be a DrafterState, got {type(state).__name__}")
     mask = jnp.asarray(mask, bool)
     chex.assert_shape(mask, (state.num_seqs,))

@@ -83,8 +83,22 @@ def prefill(
 
     Returns:
       The new state: rows appended, ``last_pair_key`` = the last key written (or kept),
-      ``last_num_drafted = 0`` for the active sequences; inactive ones untouched.
+      ``last_num_drafted = 0`` for the active sequences; inactive ones untouched. A
+      multi-module drafter is served by `multi_module.prefill_multi` (module 0 only).
     """
+    if not isinstance(params, DrafterParams):
+        from mtpjax.drafter import multi_module  # it builds on this module
+
+        return multi_module.prefill_multi.__wrapped__(
+            params,
+            head,
+            state,
+            pairs,
+            cfg=cfg,
+            chunk_size=chunk_size,
+            head_cfg=head_cfg,
+            implementation=implementation,
+        )
     check_runnable(cfg)
     check_prefill_support(params)
     head_cfg = resolve_head_cfg(cfg, head_cfg)

@@ -466,7 +466,27 @@ def propose(
       ``ProposeOutput`` and the new state: for active sequences ``last_pair_key = e + K - 1``
       (e = anchor key) and ``last_num_drafted = K`` (rows written by the chain, invalid drafts
       included); inactive sequences are untouched.
+
+    A `MultiDrafterParams` / `MultiDrafterState` pair (several MTP modules) is served by
+    `multi_module.propose_multi` behind this same entry point.
     """
+    if not isinstance(params, DrafterParams):
+        from mtpjax.drafter import multi_module  # it builds on this module
+
+        return multi_module.propose_multi.__wrapped__(
+            params,
+            head,
+            state,
+            inputs,
+            cfg=cfg,
+            num_drafts=num_drafts,
+            hidden_contract=hidden_contract,
+            bitmask=bitmask,
+            confidence_threshold=confidence_threshold,
+            head_cfg=head_cfg,
+            return_logits=return_logits,
+            implementation=implementation,
+        )
     check_runnable(cfg)
     head_cfg = resolve_head_cfg(cfg, head_cfg)
     if not isinstance(num_drafts, int) or num_drafts < 1:
