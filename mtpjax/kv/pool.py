@@ -160,6 +160,14 @@ def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x / scale[..., None]).astype(jnp.float8_e4m3fn), scale
 
 
+def _scatter_fp8(dst: jax.Array, block: jax.Array, slot: jax.Array, rows: jax.Array) -> jax.Array:
+    # Scatter the codes as bytes: XLA may lower a float8 scatter by converting the whole pool to
+    # a wider float and back, which copies the pool on every write instead of updating in place.
+    bits = jax.lax.bitcast_convert_type(dst, jnp.uint8)
+    bits = bits.at[block, slot].set(jax.lax.bitcast_convert_type(rows, jnp.uint8), mode="drop")
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+
+
 def write_rows(
     pool: KVPool, block: jax.Array, slot: jax.Array, k: jax.Array, v: jax.Array
 ) -> KVPool:
@@ -178,8 +186,8 @@ def write_rows(
     kq, ks = quantize_rows_fp8(k)
     vq, vs = quantize_rows_fp8(v)
     return KVPool(
-        k=pool.k.at[block, slot].set(kq, mode="drop"),
-        v=pool.v.at[block, slot].set(vq, mode="drop"),
+        k=_scatter_fp8(pool.k, block, slot, kq),
+        v=_scatter_fp8(pool.v, block, slot, vq),
         k_scale=pool.k_scale.at[block, slot].set(ks, mode="drop"),
         v_scale=pool.v_scale.at[block, slot].set(vs, mode="drop"),
     )
