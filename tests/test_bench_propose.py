@@ -1,0 +1,198 @@
+"""scripts/bench_propose.py end to end in --smoke mode (tiny heads on the CPU). The records
+must be complete and consistent, the PyTorch reference must draft the same tokens as JAX, and
+the HLO scan must tell a clean program from one with a host callback. The pure helpers are
+tested apart."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_propose.py"
+
+
+@functools.cache
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_propose", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def test_star_and_full_grids():
+    bp = _load_script()
+    assert bp.grid_points([1, 3, 5], [1, 8, 64], "star") == [
+        (1, 8),
+        (3, 1),
+        (3, 8),
+        (3, 64),
+        (5, 8),
+    ]
+    assert len(bp.grid_points([1, 3, 5], [1, 8, 64], "full")) == 9
+    assert bp.grid_points([2], [4], "star") == [(2, 4)]
+
+
+def test_expected_distinct_experts():
+    bp = _load_script()
+    assert bp.expected_distinct_experts(512, 10, 1) == pytest.approx(10.0)
+    # Many rows touch nearly every expert, never more.
+    assert 511 < bp.expected_distinct_experts(512, 10, 2000) <= 512
+    # Against a simulation of uniform top-10 routing for 8 rows.
+    rng = np.random.default_rng(0)
+    sims = [
+        len({e for _ in range(8) for e in rng.choice(512, 10, replace=False)}) for _ in range(2000)
+    ]
+    assert bp.expected_distinct_experts(512, 10, 8) == pytest.approx(np.mean(sims), rel=0.01)
+
+
+def test_kv_bytes_count_every_row_attended():
+    bp = _load_script()
+    from mtpjax.kv import KVDtype
+
+    cfg = bp.head_config("dense", smoke=False)
+    row = bp.kv_row_bytes(cfg, KVDtype.BF16)
+    assert row == 2 * 4 * 256 * 2  # K and V, 4 KV heads of 256, BF16
+    assert bp.kv_row_bytes(cfg, KVDtype.FP8) == 2 * 4 * 256 + 2 * 4 * 4  # codes + F32 scales
+    # Step j of K attends context + j rows.
+    assert bp.kv_attended_bytes(cfg, KVDtype.BF16, k=3, batch=8, context=4096) == (
+        8 * (4096 + 4097 + 4098) * row
+    )
+
+
+def test_real_shapes_are_the_issue_s():
+    bp = _load_script()
+    dense = bp.head_config("dense", smoke=False)
+    assert (dense.hidden_size, dense.q_proj_width, dense.kv_width) == (5120, 12288, 1024)
+    assert (dense.intermediate_size, dense.vocab_size, dense.rotary_dim) == (17408, 248320, 64)
+    moe = bp.head_config("moe", smoke=False)
+    assert (moe.hidden_size, moe.num_attention_heads, moe.num_key_value_heads) == (2048, 16, 2)
+    assert (moe.moe.num_experts, moe.moe.num_experts_per_tok) == (512, 10)
+    assert (moe.moe.moe_intermediate_size, moe.moe.shared_expert_intermediate_size) == (512, 512)
+    assert moe.vocab_size == 151936
+
+
+def test_hlo_scan_flags_host_callbacks():
+    bp = _load_script()
+    x = jnp.ones((4,), jnp.float32)
+
+    def clean(x):
+        return jnp.sin(x) * 2
+
+    def with_callback(x):
+        y = jax.pure_callback(np.cos, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return y + 1
+
+    ok = bp.scan_hlo(jax.jit(clean).lower(x).compile().as_text())
+    assert ok["host_transfer_free"]
+    bad = bp.scan_hlo(jax.jit(with_callback).lower(x).compile().as_text())
+    assert not bad["host_transfer_free"]
+    assert bad["host_custom_calls"]
+
+
+def test_smoke_run(tmp_path):
+    bp = _load_script()
+    out = tmp_path / "propose.json"
+    argv = ["--smoke", "--json", str(out), "--precisions", "bf16-nvfp4head"]
+    assert bp.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert (tmp_path / "propose.png").stat().st_size > 0
+    run, records = data["run"], data["records"]
+    assert run["smoke"] and run["points"] == [[2, 4]]
+    kinds = Counter(r["kind"] for r in records)
+    assert not kinds["skipped"], [r for r in records if r["kind"] == "skipped"]
+
+    (copy,) = [r for r in records if r["kind"] == "copy_bandwidth"]
+    assert copy["gbps"] > 0 and copy["gbps"] == run["copy_gbps"]
+
+    propose = [r for r in records if r["kind"] == "propose"]
+    assert {(r["head"], r["precision"], r["k"], r["batch"]) for r in propose} == {
+        ("dense", "bf16-nvfp4head", 2, 4),
+        ("moe", "bf16-nvfp4head", 2, 4),
+    }
+    for r in propose:
+        assert not r.get("error"), r.get("error")
+        for field in (
+            "time_us",
+            "xla_time_us",
+            "verify_us",
+            "xla_verify_us",
+            "weight_bytes",
+            "kv_bytes",
+            "roofline_us",
+            "roofline_ratio",
+        ):
+            assert r[field] > 0, field
+        assert r["per_draft_us"] == pytest.approx(r["time_us"] / r["k"])
+        assert r["bytes"] == r["weight_bytes"] + r["kv_bytes"]
+        assert r["weight_bytes"] == r["k"] * (
+            r["drafter_bytes_per_draft"] + r["head_bytes_per_draft"]
+        )
+        assert r["roofline_ratio"] == pytest.approx(
+            r["time_us"] / (r["bytes"] / (copy["gbps"] * 1e3))
+        )
+        # verify with refeed trimmed the chain rows: every call started from the same context.
+        assert r["context_kept"] and r["xla_context_kept"] and r["kv_errors"] == 0
+        assert r["hlo"]["host_transfer_free"], r["hlo"]
+        tokens = np.asarray(r["drafts_sample"])
+        assert tokens.shape[1] == r["k"] and (tokens >= 0).all() and (tokens < 512).all()
+    moe = next(r for r in propose if r["head"] == "moe")
+    parts = moe["drafter_bytes_parts"]
+    # The tiny MoE: 4 experts, top-2, 4 rows.
+    assert parts["experts_touched"] == pytest.approx(bp.expected_distinct_experts(4, 2, 4))
+    assert parts["total"] == moe["drafter_bytes_per_draft"]
+
+    pools = [r for r in records if r["kind"] == "pool_10x"]
+    assert {r["head"] for r in pools} == {"dense", "moe"}
+    for r in pools:
+        assert r["time_us"] > 0 and r["pool_1x_time_us"] > 0 and r["context_kept"]
+        assert r["pool_bytes"] >= 9 * r["pool_1x_bytes"]
+        assert r["hlo"]["host_transfer_free"]
+        # A BF16 pool is donated and updated in place: no temporaries grow with the pool.
+        assert r["kv_dtype"] == "bf16" and r["in_place"], r
+
+    if _torch_available():
+        checks = [r for r in records if r["kind"] == "torch_check"]
+        assert {r["head"] for r in checks} == {"dense", "moe"}
+        for r in checks:
+            assert not r.get("error"), r.get("error")
+            # The F32 reference drafts exactly the JAX tokens, chain and all.
+            assert r["ok"] and r["all_match"] and r["chain_match"] == 1.0
+            assert r["hidden_rel_err"] < 1e-5 and r["prob_rel_err"] < 1e-4
+            assert r["auto_vs_torch"]["all_match"]
+        timed = [r for r in records if r["kind"] == "torch"]
+        assert {r["head"] for r in timed} == {"dense", "moe"}
+        for r in timed:
+            assert r["eager"]["time_us"] > 0
+        for r in propose:
+            assert r["torch_eager_us"] > 0
+            assert r["torch_eager_per_draft_us"] == pytest.approx(r["torch_eager_us"] / r["k"])
+    else:
+        assert not kinds["torch_check"]
+        assert any("PyTorch" in n for n in run["notes"])
+
+    if jax.device_count() >= 2:
+        heads = [r for r in records if r["kind"] == "sharded_lm_head"]
+        assert heads and all(not r.get("error") and r["tokens_match"] for r in heads)
+        sharded = [r for r in records if r["kind"] == "sharded_propose"]
+        assert sharded, "B=4 splits over two devices"
+        for r in sharded:
+            assert not r.get("error"), r.get("error")
+            assert r["two_gpu_us"] > 0 and r["context_kept"] and r["one_gpu_us"] > 0
+            assert math.isfinite(r["speedup"])
+            # Each device holds half of the one-device batch (same rows, same pairs).
+            assert r["draft_agreement"] == 1.0
