@@ -12,6 +12,7 @@ in its own subpackage:
     mtpjax.head        the target LM head (row-count tiers, vocab-parallel variant)
     mtpjax.verify      acceptance rule, the verify step, vLLM-compatible metrics
     mtpjax.checkpoint  Hugging Face checkpoint conversion and load_drafter
+    mtpjax.generation  speculative generation (one while_loop) and the plain baseline
     mtpjax.reference   the reference target model used by the demo and the tests
 
 Note: `mtpjax.verify` here is the verify step; its subpackage is imported with
@@ -30,6 +31,13 @@ from mtpjax.drafter import (
     propose,
     rows_to_trim,
 )
+from mtpjax.generation import (
+    GenerateOutput,
+    TargetModel,
+    generate,
+    generate_baseline,
+    reference_target,
+)
 from mtpjax.head import LMHeadParams, lm_head
 from mtpjax.kernels import register_pallas_kernels
 from mtpjax.kv import DrafterState, init_state
@@ -46,6 +54,7 @@ __all__ = [
     "DrafterConfig",
     "DrafterParams",
     "DrafterState",
+    "GenerateOutput",
     "HiddenContract",
     "LMHeadConfig",
     "LMHeadParams",
@@ -53,12 +62,15 @@ __all__ = [
     "Precision",
     "ProposeOutput",
     "SpecDecodeMetrics",
+    "TargetModel",
     "VerifyOutput",
     "__version__",
     "accept",
     "after_verify",
     "dequantize",
     "drafter_forward",
+    "generate",
+    "generate_baseline",
     "init_state",
     "linear",
     "lm_head",
@@ -67,6 +79,7 @@ __all__ = [
     "prefill",
     "propose",
     "quantize",
+    "reference_target",
     "rows_to_trim",
     "verify",
 ]

@@ -1,0 +1,751 @@
+"""Speculative generation: target prefill, drafter prefill, then rounds of propose / target
+step / verify inside one ``jax.lax.while_loop``; and the plain decoding baseline.
+
+    target = mtpjax.reference_target(tcfg, target_params, head)
+    out = mtpjax.generate(target, drafter_params, head, prompts, lengths,
+                            drafter_cfg=dcfg, head_cfg=tcfg.lm_head_config(),
+                            max_new_tokens=128, num_drafts=3)
+    base = mtpjax.generate_baseline(target, head, prompts, lengths,
+                                      head_cfg=tcfg.lm_head_config(), max_new_tokens=128,
+                                      step_width=3 + 1)
+    out.tokens, out.lengths, out.metrics.mean_acceptance_length(), out.target_steps
+
+The target is a function argument (``TargetModel``: its params and three callables), so any model
+with that interface plugs in; ``reference_target`` wraps ``mtpjax.reference``. Each call is one
+jit (traced once per batch shape and static options): prompts of different lengths share a
+trace, ragged through ``lengths``. Nothing syncs with the host until the result is read.
+
+Round protocol (one sequence; committed tokens ``t_0 .. t_n``, the target's cache holding the
+K/V of positions ``< n``):
+
+1. ``propose`` writes the newly committed pairs and drafts ``d_1 .. d_K``;
+2. the target runs the window ``[t_n, d_1, .., d_K]`` at positions ``n .. n+K`` (rejected rows
+   are overwritten by the next step, which starts at the new committed length);
+3. ``verify`` accepts ``a`` drafts and emits one target token ``b``, trims the drafter;
+4. the next propose's window is the verify's own output: tokens ``[d_1 .. d_a, b]`` with the
+   verify hidden at positions ``n .. n+a`` (``start = n``, ``count = a + 1``).
+
+Exactness and the row window. Greedy speculative decoding equals greedy decoding with the target
+alone only if the target scores a position identically in a ``K+1``-token verify step and in a
+one-token decode step. On XLA:CPU it does not, bit for bit: the summation order of a dot, of a
+last-axis reduction (RMSNorm) and of the attention einsum depends on the shape of the call (on the
+reference target a position's hidden differs by ~1e-6 between a ``[B, 1]`` and a ``[B, 4]``
+step). Within one fixed shape, though, a row's result does not depend on its index in the window
+(checked on the reference target for B = 1, 3, 8 and windows of 2..5 rows). So
+``generate_baseline`` takes ``step_width``: each decode step runs the target over a window of
+that many rows, the token in row 0 and padding after it, which causal attention keeps out of
+row 0. With ``step_width = num_drafts + 1`` (and the same batch and cache length, which both
+functions derive the same way) every target call of the two runs has the same shape, so the
+outputs agree token for token by construction rather than by argmax margins. (With
+``step_width = 1`` the ~1e-6 differences have not flipped an argmax on the shipped pair either,
+but nothing guarantees it.) The LM head pads rows itself (``mtpjax.head``).
+
+Shapes: ``[B]`` sequences, ``[T]`` padded prompt width, ``[N]`` max_new_tokens, ``[K]`` drafts
+per round, ``[W]`` target rows per step (``K + 1`` for speculation), ``H`` hidden, ``V`` vocab,
+``Lmax = T + N + W`` rows of the target's cache and of the drafter's sequence capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from mtpjax import drafter as drafter_lib
+from mtpjax import reference
+from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
+from mtpjax.drafter import DrafterParams, Pairs
+from mtpjax.head import LMHeadParams, lm_head
+from mtpjax.verify import SpecDecodeMetrics, verify
+from mtpjax.verify import metrics as metrics_lib
+from mtpjax.weights import WeightFormat
+
+__all__ = [
+    "GenerateOutput",
+    "TargetModel",
+    "cache_length",
+    "generate",
+    "generate_baseline",
+    "reference_target",
+]
+
+
+# ------------------------------------------------------------------------------------------
+# The target as a function argument.
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["params"],
+    meta_fields=["init_cache", "prefill", "step"],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TargetModel:
+    """A target model as the generation loop sees it.
+
+    Attributes:
+      params: any pytree of arrays, passed as the first argument of ``prefill`` and ``step``.
+      init_cache: ``(batch, max_len) -> cache``, an empty cache pytree for ``batch`` sequences
+        of up to ``max_len`` positions.
+      prefill: ``(params, cache, tokens int32[B, T], lengths int32[B]) -> (hidden [B, T, H],
+        cache)``: runs each right-padded prompt from position 0; ``hidden`` is what the LM head
+        and the drafter read (post-final-norm for Qwen-style heads).
+      step: ``(params, cache, tokens int32[B, S], start int32[B]) -> (hidden [B, S, H],
+        cache)``: runs S tokens at positions ``start .. start + S - 1``, attending to cache rows
+        at positions up to each query's own; rows past the committed length are overwritten by
+        the next step that starts there (rollback by restarting).
+
+    The callables are static (jit metadata): use module-level functions or frozen dataclasses so
+    that equal models compare equal and never retrace.
+    """
+
+    params: Any
+    init_cache: Callable[[int, int], Any]
+    prefill: Callable[..., tuple[jax.Array, Any]]
+    step: Callable[..., tuple[jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ReferenceInitCache:
+    cfg: reference.TargetConfig
+
+    def __call__(self, batch: int, max_len: int) -> reference.TargetCache:
+        return reference.init_cache(self.cfg, batch=batch, max_len=max_len)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ReferencePrefill:
+    cfg: reference.TargetConfig
+    implementation: str
+
+    def __call__(self, params, cache, tokens, lengths):
+        target, head = params
+        return reference.target_prefill(
+            target, head, cache, tokens, lengths, cfg=self.cfg, implementation=self.implementation
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ReferenceStep:
+    cfg: reference.TargetConfig
+    implementation: str
+
+    def __call__(self, params, cache, tokens, start):
+        target, head = params
+        return reference.target_step(
+            target, head, cache, tokens, start, cfg=self.cfg, implementation=self.implementation
+        )
+
+
+def reference_target(
+    cfg: reference.TargetConfig,
+    params: reference.TargetParams,
+    head: LMHeadParams,
+    *,
+    implementation: str = "auto",
+) -> TargetModel:
+    """The reference Qwen3-style target (``mtpjax.reference``) as a ``TargetModel``; its params
+    are ``(params, head)`` (the head supplies the embedding)."""
+    if not isinstance(cfg, reference.TargetConfig):
+        raise TypeError(f"cfg must be a reference.TargetConfig, got {type(cfg).__name__}")
+    return TargetModel(
+        params=(params, head),
+        init_cache=_ReferenceInitCache(cfg=cfg),
+        prefill=_ReferencePrefill(cfg=cfg, implementation=str(implementation)),
+        step=_ReferenceStep(cfg=cfg, implementation=str(implementation)),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Output.
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "lengths", "metrics", "target_steps", "active_steps", "kv_error"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateOutput:
+    """What one generation call returns (device arrays; nothing is read back).
+
+    Attributes:
+      tokens: int32[B, N] generated tokens (the prompt excluded), -1 from ``lengths`` on.
+      lengths: int32[B] tokens generated: ``N``, or up to and including the first ``eos_id``.
+      metrics: the acceptance counters over every round (``SpecDecodeMetrics`` over K
+        positions); None for the baseline.
+      target_steps: int32[] target forwards after the prefill (loop iterations; one forward
+        serves the whole batch). Plain decoding of N tokens takes N - 1.
+      active_steps: int32[B] the forwards each sequence took part in (its rounds).
+      kv_error: int32[B] the drafter cache's ``KVError`` bits (0 = healthy; the pool is sized
+        so this stays 0); zeros for the baseline.
+    """
+
+    tokens: jax.Array
+    lengths: jax.Array
+    metrics: SpecDecodeMetrics | None
+    target_steps: jax.Array
+    active_steps: jax.Array
+    kv_error: jax.Array
+
+
+def cache_length(prompt_width: int, max_new_tokens: int, step_width: int) -> int:
+    """Lmax = T + N + W: rows of the target cache (and the drafter's sequence capacity).
+
+    Speculation uses ``W = num_drafts + 1``; a baseline meant to match it bit for bit uses the
+    same ``step_width`` and therefore the same cache shape.
+    """
+    return prompt_width + max_new_tokens + step_width
+
+
+# ------------------------------------------------------------------------------------------
+# Validation shared by both entry points.
+
+
+def _check_static_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be a Python int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_temperature(temperature: Any, key: jax.Array | None) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a Python float (0.0 = greedy), got {temperature!r}")
+    temperature = float(temperature)
+    if not temperature >= 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
+    if temperature > 0 and key is None:
+        raise ValueError(f"temperature={temperature} samples: pass a PRNG key (key=...)")
+    return temperature
+
+
+def _check_prompts(prompts: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+    prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+    if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
+        raise ValueError(f"prompts must be int[B, T], got {prompts.dtype}{list(prompts.shape)}")
+    if lengths.shape != prompts.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(
+            f"lengths must be int[B] = int[{prompts.shape[0]}] (prompt lengths, 1..T), got "
+            f"{lengths.dtype}{list(lengths.shape)}"
+        )
+    return prompts.astype(jnp.int32), lengths.astype(jnp.int32)
+
+
+def _check_target(target: Any) -> None:
+    if not isinstance(target, TargetModel):
+        raise TypeError(
+            f"target must be a TargetModel (see reference_target), got {type(target).__name__}"
+        )
+
+
+def _parse_contract(contract: Any) -> HiddenContract:
+    try:
+        return HiddenContract(contract)
+    except ValueError:
+        accepted = ", ".join(c.value for c in HiddenContract)
+        raise ValueError(
+            f"hidden_contract must be a HiddenContract or one of: {accepted}; got {contract!r}"
+        ) from None
+
+
+def _check_eos(eos_id: Any, vocab: int) -> int | None:
+    if eos_id is None:
+        return None
+    if isinstance(eos_id, bool) or not isinstance(eos_id, int) or not 0 <= eos_id < vocab:
+        raise ValueError(f"eos_id must be None or a token id in [0, {vocab}), got {eos_id!r}")
+    return eos_id
+
+
+# ------------------------------------------------------------------------------------------
+# Pieces of both loops.
+
+
+def _pick(logits: jax.Array, temperature: float, key: jax.Array | None) -> jax.Array:
+    """Next token from logits [B, V]: argmax (greedy) or a sample at ``temperature``."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
+
+
+def _split(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    if key is None:
+        return None, None
+    key, sub = jax.random.split(key)
+    return key, sub
+
+
+def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x[b, index[b]]: [B, R, ...] x int32[B] -> [B, ...]."""
+    idx = jnp.clip(index, 0, x.shape[1] - 1).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "num_generated", "done"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Output:
+    """The growing output: tokens int32[B, N] (-1 unwritten), num_generated int32[B], done
+    bool[B] (reached N tokens or emitted eos)."""
+
+    tokens: jax.Array
+    num_generated: jax.Array
+    done: jax.Array
+
+
+def _start_output(first: jax.Array, max_new_tokens: int, eos_id: int | None) -> _Output:
+    B = first.shape[0]
+    tokens = jnp.full((B, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+    done = jnp.full((B,), max_new_tokens <= 1)
+    if eos_id is not None:
+        done = done | (first == eos_id)
+    return _Output(tokens=tokens, num_generated=jnp.ones((B,), jnp.int32), done=done)
+
+
+def _commit(out: _Output, new: jax.Array, count: jax.Array, eos_id: int | None) -> _Output:
+    """Appends the first ``count[b]`` of ``new`` [B, R] to each sequence, cut after the first
+    eos and at N tokens; sequences with ``count == 0`` are unchanged."""
+    B, R = new.shape
+    N = out.tokens.shape[1]
+    j = jnp.arange(R, dtype=jnp.int32)[None, :]
+    emitted = j < count[:, None]
+    hit_eos = jnp.zeros((B,), bool)
+    if eos_id is not None:
+        is_eos = emitted & (new == eos_id)
+        hit_eos = jnp.any(is_eos, axis=1)
+        count = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1).astype(jnp.int32) + 1, count)
+    count = jnp.minimum(count, N - out.num_generated)
+    index = jnp.where(j < count[:, None], out.num_generated[:, None] + j, N)  # N: dropped
+    tokens = out.tokens.at[jnp.arange(B)[:, None], index].set(new, mode="drop")
+    num_generated = out.num_generated + count
+    return _Output(
+        tokens=tokens, num_generated=num_generated, done=out.done | hit_eos | (num_generated >= N)
+    )
+
+
+def _prefill(target, head, prompts, lengths, *, head_cfg, max_len, temperature, key, impl):
+    """Target prefill and the first token. Returns (hidden [B, T, H], cache, first int32[B])."""
+    B = prompts.shape[0]
+    cache = target.init_cache(B, max_len)
+    hidden, cache = target.prefill(target.params, cache, prompts, lengths)
+    chex.assert_rank(hidden, 3)
+    h_last = _take_rows(hidden, lengths - 1)  # [B, H]
+    logits = lm_head(head, h_last, cfg=head_cfg, implementation=impl)
+    return hidden, cache, _pick(logits, temperature, key)
+
+
+def _kv_precision(params: DrafterParams) -> str:
+    """The pool precision rule's input: NVFP4 heads get an FP8 pool, others BF16."""
+    q_format = drafter_lib.projection_formats(params)["q_proj"]
+    return "nvfp4" if q_format is WeightFormat.NVFP4 else "bf16"
+
+
+# ------------------------------------------------------------------------------------------
+# Speculative generation.
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "cache",
+        "state",
+        "pairs",
+        "position",
+        "last",
+        "out",
+        "metrics",
+        "key",
+        "steps",
+        "active_steps",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _SpecLoop:
+    """Loop carry. position int32[B]: position n of the newest committed token ``last``
+    int32[B] (the target's cache holds positions < n); pairs: the next propose's window
+    (width W); steps int32[], active_steps int32[B]."""
+
+    cache: Any
+    state: drafter_lib.DrafterState
+    pairs: Pairs
+    position: jax.Array
+    last: jax.Array
+    out: _Output
+    metrics: SpecDecodeMetrics
+    key: jax.Array | None
+    steps: jax.Array
+    active_steps: jax.Array
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "drafter_cfg",
+        "head_cfg",
+        "max_new_tokens",
+        "num_drafts",
+        "temperature",
+        "eos_id",
+        "hidden_contract",
+        "refeed",
+        "implementation",
+    ),
+)
+def _generate(
+    target: TargetModel,
+    drafter: DrafterParams,
+    head: LMHeadParams,
+    drafter_head: LMHeadParams,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    key: jax.Array | None,
+    *,
+    drafter_cfg: DrafterConfig,
+    head_cfg: LMHeadConfig,
+    max_new_tokens: int,
+    num_drafts: int,
+    temperature: float,
+    eos_id: int | None,
+    hidden_contract: HiddenContract,
+    refeed: bool,
+    implementation: str,
+) -> GenerateOutput:
+    B, T = prompts.shape
+    K, N = num_drafts, max_new_tokens
+    W = K + 1
+    max_len = cache_length(T, N, W)
+    key, first_key = _split(key)
+    hidden, cache, first = _prefill(
+        target,
+        head,
+        prompts,
+        lengths,
+        head_cfg=head_cfg,
+        max_len=max_len,
+        temperature=temperature,
+        key=first_key,
+        impl=implementation,
+    )
+    H = hidden.shape[-1]
+
+    # The drafter's rows of the prompt: pairs (t_{i+1}, h_i) for i = 0 .. P-2.
+    pool = drafter_lib.pool_config(
+        drafter_cfg, precision=_kv_precision(drafter), max_seq_len=max_len, max_seqs=B
+    )
+    state = drafter_lib.init_state(pool, num_seqs=B)
+    dkw = dict(cfg=drafter_cfg, implementation=implementation)
+    if T > 1:
+        prompt_pairs = Pairs(
+            tokens=prompts[:, 1:],
+            hidden=hidden[:, :-1],
+            count=lengths - 1,
+            start=jnp.zeros((B,), jnp.int32),
+        )
+        if drafter_lib.supports_prefill(drafter):
+            state = drafter_lib.prefill(drafter, drafter_head, state, prompt_pairs, **dkw)
+        else:
+            # Heads without BF16 fc/k/v catch up through propose, whose window takes any number
+            # of pairs; its single draft is discarded, and the next propose keeps the rows.
+            _, state = drafter_lib.propose(
+                drafter, drafter_head, state, prompt_pairs, num_drafts=1, **dkw
+            )
+
+    # The first window: the anchor (t_P, h_{P-1}) alone.
+    pad = ((0, 0), (0, W - 1))
+    pairs = Pairs(
+        tokens=jnp.pad(first[:, None], pad),
+        hidden=jnp.pad(_take_rows(hidden, lengths - 1)[:, None], (*pad, (0, 0))),
+        count=jnp.ones((B,), jnp.int32),
+        start=lengths - 1,
+    )
+    loop = _SpecLoop(
+        cache=cache,
+        state=state,
+        pairs=pairs,
+        position=lengths,
+        last=first,
+        out=_start_output(first, N, eos_id),
+        metrics=metrics_lib.empty(K),
+        key=key,
+        steps=jnp.zeros((), jnp.int32),
+        active_steps=jnp.zeros((B,), jnp.int32),
+    )
+
+    def round_(c: _SpecLoop) -> _SpecLoop:
+        active = ~c.out.done
+        drafts, state = drafter_lib.propose(
+            drafter,
+            drafter_head,
+            c.state,
+            dataclasses.replace(c.pairs, active=active),
+            num_drafts=K,
+            hidden_contract=hidden_contract,
+            **dkw,
+        )
+        window = jnp.concatenate([c.last[:, None], jnp.maximum(drafts.tokens, 0)], axis=1)
+        verify_hidden, cache = target.step(target.params, c.cache, window, c.position)
+        chex.assert_shape(verify_hidden, (B, W, H))
+        key, sub = _split(c.key)
+        result, state, metrics = verify(
+            head,
+            state,
+            verify_hidden,
+            drafts,
+            head_cfg=head_cfg,
+            temperature=temperature,
+            key=sub,
+            refeed=refeed,
+            metrics=c.metrics,
+            active=active,
+            implementation=implementation,
+        )
+        count = result.num_output  # 0 for finished sequences
+        new = jnp.maximum(result.output_tokens, 0)  # [B, W], -1 padding -> a valid id
+        return _SpecLoop(
+            cache=cache,
+            state=state,
+            pairs=Pairs(tokens=new, hidden=verify_hidden, count=count, start=c.position),
+            position=c.position + count,
+            last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
+            out=_commit(c.out, new, count, eos_id),
+            metrics=metrics,
+            key=key,
+            steps=c.steps + 1,
+            active_steps=c.active_steps + active.astype(jnp.int32),
+        )
+
+    loop = jax.lax.while_loop(lambda c: jnp.any(~c.out.done), round_, loop)
+    return GenerateOutput(
+        tokens=loop.out.tokens,
+        lengths=loop.out.num_generated,
+        metrics=loop.metrics,
+        target_steps=loop.steps,
+        active_steps=loop.active_steps,
+        kv_error=loop.state.kv.error,
+    )
+
+
+def generate(
+    target: TargetModel,
+    drafter: DrafterParams,
+    head: LMHeadParams,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    *,
+    drafter_cfg: DrafterConfig,
+    head_cfg: LMHeadConfig,
+    max_new_tokens: int,
+    num_drafts: int,
+    drafter_head: LMHeadParams | None = None,
+    temperature: float = 0.0,
+    key: jax.Array | None = None,
+    eos_id: int | None = None,
+    hidden_contract: HiddenContract | str = HiddenContract.POST_NORM,
+    refeed: bool = False,
+    implementation: str = "auto",
+) -> GenerateOutput:
+    """Speculative generation of ``max_new_tokens`` tokens per prompt; one jit.
+
+    Args:
+      target: the target model (``reference_target`` or any ``TargetModel``).
+      drafter: the MTP head's params, in whatever precision they were loaded at (heads whose
+        fc/k_proj/v_proj are BF16 take the drafter prefill; others write the prompt's rows
+        through ``propose``). Its KV pool follows ``drafter.pool_config``'s rule.
+      head: the target's embedding / LM head: the verify rows and the first token.
+      prompts: int32[B, T] right-padded prompts; lengths: int32[B] their lengths (1..T).
+      drafter_cfg: static drafter config. head_cfg: static config of the target's LM head.
+      max_new_tokens: static N >= 1. num_drafts: static K >= 1, drafts per round.
+      drafter_head: the head the drafter reads (embedding + draft LM head), e.g. a quantised
+        copy from a converted checkpoint; default ``head``.
+      temperature: static; 0.0 is greedy (token for token the same as greedy decoding with the
+        target alone), > 0 lossless rejection sampling with ``key``.
+      key: PRNG key, required when temperature > 0.
+      eos_id: static; a sequence stops after emitting it (it is kept in the output).
+      hidden_contract: static ``HiddenContract`` (or its value) for draft steps 1..K-1.
+      refeed: static; rebuild accepted chain rows from the target's hidden after each verify.
+      implementation: "auto" | "xla" | "pallas" for the drafter and the LM head.
+
+    Returns:
+      ``GenerateOutput``: tokens [B, N], lengths [B], metrics over K positions, target_steps
+      (forwards after the prefill), active_steps [B], kv_error [B].
+    """
+    _check_target(target)
+    if not isinstance(drafter, DrafterParams):
+        raise TypeError(
+            f"drafter must be DrafterParams (one MTP module), got {type(drafter).__name__}"
+        )
+    prompts, lengths = _check_prompts(prompts, lengths)
+    temperature = _check_temperature(temperature, key)
+    contract = _parse_contract(hidden_contract)
+    if not isinstance(refeed, bool):
+        raise TypeError(f"refeed must be a Python bool, got {refeed!r}")
+    return _generate(
+        target,
+        drafter,
+        head,
+        head if drafter_head is None else drafter_head,
+        prompts,
+        lengths,
+        key if temperature > 0 else None,
+        drafter_cfg=drafter_cfg,
+        head_cfg=head_cfg,
+        max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
+        num_drafts=_check_static_int("num_drafts", num_drafts, 1),
+        temperature=temperature,
+        eos_id=_check_eos(eos_id, head_cfg.vocab_size),
+        hidden_contract=contract,
+        refeed=refeed,
+        implementation=str(implementation),
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Plain decoding.
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["cache", "position", "last", "out", "key", "steps", "active_steps"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PlainLoop:
+    cache: Any
+    position: jax.Array
+    last: jax.Array
+    out: _Output
+    key: jax.Array | None
+    steps: jax.Array
+    active_steps: jax.Array
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "head_cfg",
+        "max_new_tokens",
+        "step_width",
+        "temperature",
+        "eos_id",
+        "implementation",
+    ),
+)
+def _generate_baseline(
+    target: TargetModel,
+    head: LMHeadParams,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    key: jax.Array | None,
+    *,
+    head_cfg: LMHeadConfig,
+    max_new_tokens: int,
+    step_width: int,
+    temperature: float,
+    eos_id: int | None,
+    implementation: str,
+) -> GenerateOutput:
+    B, T = prompts.shape
+    N, W = max_new_tokens, step_width
+    key, first_key = _split(key)
+    _, cache, first = _prefill(
+        target,
+        head,
+        prompts,
+        lengths,
+        head_cfg=head_cfg,
+        max_len=cache_length(T, N, W),
+        temperature=temperature,
+        key=first_key,
+        impl=implementation,
+    )
+    loop = _PlainLoop(
+        cache=cache,
+        position=lengths,
+        last=first,
+        out=_start_output(first, N, eos_id),
+        key=key,
+        steps=jnp.zeros((), jnp.int32),
+        active_steps=jnp.zeros((B,), jnp.int32),
+    )
+    padding = jnp.zeros((B, W - 1), jnp.int32)
+
+    def step(c: _PlainLoop) -> _PlainLoop:
+        active = ~c.out.done
+        window = jnp.concatenate([c.last[:, None], padding], axis=1)  # [B, W]
+        hidden, cache = target.step(target.params, c.cache, window, c.position)
+        logits = lm_head(head, hidden[:, 0], cfg=head_cfg, implementation=implementation)
+        key, sub = _split(c.key)
+        token = _pick(logits, temperature, sub)
+        count = active.astype(jnp.int32)
+        return _PlainLoop(
+            cache=cache,
+            position=c.position + count,
+            last=jnp.where(active, token, c.last),
+            out=_commit(c.out, token[:, None], count, eos_id),
+            key=key,
+            steps=c.steps + 1,
+            active_steps=c.active_steps + count,
+        )
+
+    loop = jax.lax.while_loop(lambda c: jnp.any(~c.out.done), step, loop)
+    return GenerateOutput(
+        tokens=loop.out.tokens,
+        lengths=loop.out.num_generated,
+        metrics=None,
+        target_steps=loop.steps,
+        active_steps=loop.active_steps,
+        kv_error=jnp.zeros((B,), jnp.int32),
+    )
+
+
+def generate_baseline(
+    target: TargetModel,
+    head: LMHeadParams,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    *,
+    head_cfg: LMHeadConfig,
+    max_new_tokens: int,
+    step_width: int = 1,
+    temperature: float = 0.0,
+    key: jax.Array | None = None,
+    eos_id: int | None = None,
+    implementation: str = "auto",
+) -> GenerateOutput:
+    """Plain decoding with the target alone: one token per target forward; one jit.
+
+    Args:
+      target, head, prompts, lengths, head_cfg, max_new_tokens, temperature, key, eos_id,
+        implementation: as in ``generate``.
+      step_width: static W >= 1, rows of each target step: the token in row 0, padding after
+        it (causal attention keeps the padding out of row 0). Pass ``num_drafts + 1`` to compare
+        with ``generate`` bit for bit: every target call then has the shape of a verify step
+        (see the module docstring); 1 is the cheapest.
+
+    Returns:
+      ``GenerateOutput`` with ``metrics=None``; ``target_steps`` = N - 1 without eos.
+    """
+    _check_target(target)
+    prompts, lengths = _check_prompts(prompts, lengths)
+    temperature = _check_temperature(temperature, key)
+    return _generate_baseline(
+        target,
+        head,
+        prompts,
+        lengths,
+        key if temperature > 0 else None,
+        head_cfg=head_cfg,
+        max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
+        step_width=_check_static_int("step_width", step_width, 1),
+        temperature=temperature,
+        eos_id=_check_eos(eos_id, head_cfg.vocab_size),
+        implementation=str(implementation),
+    )

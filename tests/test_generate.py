@@ -1,0 +1,320 @@
+"""The speculative generation loop on the shipped trained pair: greedy speculation equals plain
+greedy decoding token for token on held-out code, for k = 1..4, with a BF16 and an FP8 drafter;
+sampling produces valid tokens; the loop traces once for any prompt lengths."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from mtpjax import demo, reference
+from mtpjax import generation as gen
+from mtpjax.checkpoint import convert, load_drafter
+from mtpjax.drafter import supports_prefill
+from mtpjax.weights import WeightFormat
+
+ASSETS = demo.ASSET_DIR
+T = 40  # padded prompt width
+N = 24  # new tokens per prompt
+MIN_PROMPTS = 50
+
+
+# --------------------------------------------------------------------------------------------
+# Fixtures: the pair, a converted FP8 drafter, held-out prompts.
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tcfg, target, head, dcfg, drafter = reference.load_hf(ASSETS)
+    return dict(tcfg=tcfg, target=target, head=head, dcfg=dcfg, drafter=drafter)
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory):
+    """The shipped head through the converter at FP8: (drafter cfg, drafter, its FP8 head)."""
+    out = tmp_path_factory.mktemp("converted") / "fp8"
+    convert(ASSETS, out, precision="fp8", progress=False)
+    dcfg, ckpt = load_drafter(out)
+    return dcfg, ckpt.modules[0], ckpt.head
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+
+
+def heldout_prompts(tokenizer, *, per_file: int = 3, width: int = T, seed: int = 0):
+    """Windows of held-out stdlib files, ragged lengths 6..width: (int32[B, width], int32[B])."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for path in demo.heldout_files():
+        ids = tokenizer.encode(path.read_text(encoding="utf-8")).ids
+        for _ in range(per_file):
+            n = int(rng.integers(6, width + 1))
+            if len(ids) <= n:
+                continue
+            start = int(rng.integers(0, len(ids) - n))
+            rows.append(ids[start : start + n])
+    prompts = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        prompts[i, : len(r)] = r
+    return prompts, np.array([len(r) for r in rows], np.int32)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    p, lengths = heldout_prompts(tokenizer)
+    assert len(p) >= MIN_PROMPTS, f"only {len(p)} held-out prompts"
+    assert len(set(lengths.tolist())) > 10  # genuinely ragged
+    return p, lengths
+
+
+class CountingCalls:
+    """A static callable that counts how often it is traced."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.fn(*args)
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    """The reference target, its prefill and step wrapped to count their traces."""
+    model = gen.reference_target(pair["tcfg"], pair["target"], pair["head"])
+    return gen.TargetModel(
+        params=model.params,
+        init_cache=model.init_cache,
+        prefill=CountingCalls(model.prefill),
+        step=CountingCalls(model.step),
+    )
+
+
+@pytest.fixture(scope="module")
+def baseline(pair, target, prompts):
+    """Plain greedy decoding, one compile per (step_width, eos_id), shared across drafters."""
+
+    @functools.cache
+    def run(step_width: int, eos_id: int | None):
+        out = gen.generate_baseline(
+            target,
+            pair["head"],
+            *prompts,
+            head_cfg=pair["tcfg"].lm_head_config(),
+            max_new_tokens=N,
+            step_width=step_width,
+            eos_id=eos_id,
+        )
+        return jax.device_get(out)
+
+    return run
+
+
+def common_eos(tokenizer) -> int:
+    """A frequent token (a newline with indentation) that stops many sequences early."""
+    ids = tokenizer.encode("    x = 1\n    y = 2\n").ids
+    return max(set(ids), key=ids.count)
+
+
+# --------------------------------------------------------------------------------------------
+# Exactness.
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_speculation_equals_plain_greedy(
+    pair, fp8, target, prompts, baseline, tokenizer, k, precision
+):
+    if precision == "bf16":
+        dcfg, drafter, dhead = pair["dcfg"], pair["drafter"], pair["head"]
+        assert supports_prefill(drafter)  # the drafter-prefill path
+    else:
+        dcfg, drafter, dhead = fp8
+        assert drafter.layer.attention.q_proj.format is WeightFormat.FP8
+        assert dhead.weight.format is WeightFormat.FP8
+        assert not supports_prefill(drafter)  # the prompt's rows go through propose
+    eos_id = common_eos(tokenizer) if k == 4 else None
+    B = prompts[0].shape[0]
+    spec = jax.device_get(
+        gen.generate(
+            target,
+            drafter,
+            pair["head"],
+            *prompts,
+            drafter_cfg=dcfg,
+            head_cfg=pair["tcfg"].lm_head_config(),
+            max_new_tokens=N,
+            num_drafts=k,
+            drafter_head=dhead,
+            eos_id=eos_id,
+        )
+    )
+    base = baseline(k + 1, eos_id)
+
+    np.testing.assert_array_equal(spec.tokens, base.tokens)
+    np.testing.assert_array_equal(spec.lengths, base.lengths)
+    np.testing.assert_array_equal(spec.kv_error, 0)
+
+    # Output layout: valid ids before `lengths`, -1 after; eos only as the last token.
+    cols = np.arange(N)[None, :]
+    written = cols < spec.lengths[:, None]
+    assert np.all((spec.tokens >= 0) == written)
+    assert np.all(spec.tokens < pair["tcfg"].vocab_size)
+    if eos_id is None:
+        np.testing.assert_array_equal(spec.lengths, N)
+        assert int(base.target_steps) == N - 1
+    else:
+        stopped = spec.lengths < N
+        assert 0 < stopped.sum() < B  # the eos path is exercised, not everywhere
+        last = spec.tokens[np.arange(B), spec.lengths - 1]
+        assert np.all(last[stopped] == eos_id)
+        assert not np.any((spec.tokens == eos_id) & (cols < spec.lengths[:, None] - 1))
+
+    # Bookkeeping: every active round drafts k tokens and emits accepted + 1 of them.
+    m = spec.metrics
+    assert int(m.num_drafts) == int(spec.active_steps.sum())
+    assert int(m.num_draft_tokens) == k * int(m.num_drafts)
+    emitted = int(m.num_accepted_tokens) + int(m.num_drafts)
+    assert int((spec.lengths - 1).sum()) <= emitted <= int((spec.lengths - 1).sum()) + B * k
+    assert int(spec.target_steps) == int(spec.active_steps.max())
+    assert int(spec.target_steps) < int(base.target_steps)  # speculation saves forwards
+    assert m.mean_acceptance_length() > 1.3
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling.
+
+
+def test_sampled_generation_produces_valid_tokens(pair, target, prompts):
+    p, lengths = prompts[0][:8], prompts[1][:8]
+    V = pair["tcfg"].vocab_size
+    kw = dict(head_cfg=pair["tcfg"].lm_head_config(), max_new_tokens=16, temperature=0.8)
+    runs = {}
+    for seed in (1, 2):
+        runs["spec", seed] = gen.generate(
+            target,
+            pair["drafter"],
+            pair["head"],
+            p,
+            lengths,
+            drafter_cfg=pair["dcfg"],
+            num_drafts=2,
+            key=jax.random.key(seed),
+            **kw,
+        )
+        runs["base", seed] = gen.generate_baseline(
+            target, pair["head"], p, lengths, key=jax.random.key(seed), **kw
+        )
+    runs = jax.device_get(runs)
+    for out in runs.values():
+        np.testing.assert_array_equal(out.lengths, 16)
+        assert np.all((out.tokens >= 0) & (out.tokens < V))
+    for kind in ("spec", "base"):  # the key is used: other draws, other tokens
+        assert np.any(runs[kind, 1].tokens != runs[kind, 2].tokens)
+    m = runs["spec", 1].metrics
+    assert int(m.num_drafts) == int(runs["spec", 1].active_steps.sum()) > 0
+    assert 0 < int(m.num_accepted_tokens) <= int(m.num_draft_tokens)
+
+
+def test_sampling_needs_a_key(pair, target, prompts):
+    with pytest.raises(ValueError, match="key"):
+        gen.generate_baseline(
+            target,
+            pair["head"],
+            *prompts,
+            head_cfg=pair["tcfg"].lm_head_config(),
+            max_new_tokens=4,
+            temperature=1.0,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing.
+
+
+def test_loop_traces_once_for_any_prompt_lengths(pair, target, prompts):
+    """New prompts with other lengths (same batch and width) reuse the compiled loop."""
+    kw = dict(
+        drafter_cfg=pair["dcfg"],
+        head_cfg=pair["tcfg"].lm_head_config(),
+        max_new_tokens=N,
+        num_drafts=1,
+    )
+    before = (target.prefill.calls, target.step.calls)
+    first = gen.generate(target, pair["drafter"], pair["head"], *prompts, **kw)
+    traced = (target.prefill.calls, target.step.calls)
+    # Compiled here or by an earlier test; a compile traces the prefill and the round once.
+    assert traced[0] - before[0] == traced[1] - before[1] in (0, 1)
+    assert min(traced) >= 1
+    for shift in (1, 2):
+        # Other prompts in every slot, each cut shorter: new tokens and new lengths.
+        p = np.roll(prompts[0], shift, axis=0)
+        lengths = np.maximum(np.roll(prompts[1], shift) - 3 * shift, 1)
+        lengths[shift] = 1  # a one-token prompt: no drafter prefill rows, the anchor alone
+        assert np.any(lengths != prompts[1])
+        out = gen.generate(target, pair["drafter"], pair["head"], p, lengths, **kw)
+        assert (target.prefill.calls, target.step.calls) == traced, "retraced for new lengths"
+        np.testing.assert_array_equal(out.lengths, N)
+    assert np.any(np.asarray(out.tokens) != np.asarray(first.tokens))
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def test_clear_errors(pair, target, prompts):
+    kw = dict(drafter_cfg=pair["dcfg"], head_cfg=pair["tcfg"].lm_head_config())
+    with pytest.raises(TypeError, match="TargetModel"):
+        gen.generate(
+            pair["target"],
+            pair["drafter"],
+            pair["head"],
+            *prompts,
+            max_new_tokens=4,
+            num_drafts=1,
+            **kw,
+        )
+    with pytest.raises(ValueError, match="num_drafts"):
+        gen.generate(
+            target, pair["drafter"], pair["head"], *prompts, max_new_tokens=4, num_drafts=0, **kw
+        )
+    with pytest.raises(ValueError, match="lengths"):
+        gen.generate(
+            target,
+            pair["drafter"],
+            pair["head"],
+            prompts[0],
+            prompts[1][:3],
+            max_new_tokens=4,
+            num_drafts=1,
+            **kw,
+        )
+    with pytest.raises(ValueError, match="eos_id"):
+        gen.generate(
+            target,
+            pair["drafter"],
+            pair["head"],
+            *prompts,
+            max_new_tokens=4,
+            num_drafts=1,
+            eos_id=10**6,
+            **kw,
+        )
+    with pytest.raises(ValueError, match="hidden_contract"):
+        gen.generate(
+            target,
+            pair["drafter"],
+            pair["head"],
+            *prompts,
+            max_new_tokens=4,
+            num_drafts=1,
+            hidden_contract="sideways",
+            **kw,
+        )
