@@ -104,6 +104,7 @@ from mtpjax.drafter.propose import (
     _shift_left,
     _write_row,
     check_pairs,
+    finish_drafts,
     held_prefix,
     unpack_bitmask,
 )
@@ -673,30 +674,9 @@ def _propose_multi(
 
     draft_tokens, probs, oks, hidden, all_logits = (steps(f) for f in range(5))
 
-    # 3. Validity, as in propose: a prefix cut at an empty grammar mask and after the first draft
-    # whose running confidence falls below the threshold.
-    confidence = jax.lax.cummin(probs, axis=1)
-    num_valid = jnp.sum(jnp.cumprod(oks.astype(jnp.int32), axis=1), axis=1)
-    if confidence_threshold is not None:
-        thr = jnp.asarray(confidence_threshold, jnp.float32)
-        if thr.ndim > 1 or (thr.ndim == 1 and thr.shape != (B,)):
-            raise ValueError(
-                f"confidence_threshold must be a scalar or f32[B={B}], got shape {thr.shape}"
-            )
-        if thr.ndim == 1:
-            thr = thr[:, None]
-        confident = jnp.sum(confidence >= thr, axis=1)
-        num_valid = jnp.minimum(num_valid, jnp.minimum(confident + 1, K))
-    num_valid = jnp.where(active, num_valid, 0).astype(jnp.int32)
-    valid = jnp.arange(K, dtype=jnp.int32)[None, :] < num_valid[:, None]
-    zero = jnp.zeros_like(probs)
-    output = ProposeOutput(
-        tokens=jnp.where(valid, draft_tokens, -1),
-        probs=jnp.where(active[:, None], probs, zero),
-        confidence=jnp.where(active[:, None], confidence, zero),
-        num_valid=num_valid,
-        hidden=jnp.where(active[:, None, None], hidden, 0.0),
-        logits=all_logits,
+    # 3. Validity, as in propose.
+    output = finish_drafts(
+        draft_tokens, probs, oks, hidden, all_logits, active, confidence_threshold
     )
 
     modules, new_keys = list(state.modules), list(state.row_keys)

@@ -416,6 +416,47 @@ def held_prefix(
     return cache, last, skip
 
 
+def finish_drafts(
+    draft_tokens: jax.Array,
+    probs: jax.Array,
+    oks: jax.Array,
+    hidden: jax.Array,
+    logits: jax.Array | None,
+    active: jax.Array,
+    confidence_threshold: float | jax.Array | None,
+) -> ProposeOutput:
+    """The chain's raw per-step outputs -> a `ProposeOutput` with the valid prefix marked.
+
+    A chain is cut at the first empty grammar mask (`oks` False) and after the first draft whose
+    running confidence falls below the threshold; inactive sequences get no valid draft.
+    draft_tokens, probs: [B, K]; oks: bool[B, K]; hidden: [B, K, H]; active: bool[B].
+    """
+    B, K = probs.shape
+    confidence = jax.lax.cummin(probs, axis=1)
+    num_valid = jnp.sum(jnp.cumprod(oks.astype(jnp.int32), axis=1), axis=1)
+    if confidence_threshold is not None:
+        thr = jnp.asarray(confidence_threshold, jnp.float32)
+        if thr.ndim > 1 or (thr.ndim == 1 and thr.shape != (B,)):
+            raise ValueError(
+                f"confidence_threshold must be a scalar or f32[B={B}], got shape {thr.shape}"
+            )
+        if thr.ndim == 1:
+            thr = thr[:, None]
+        confident = jnp.sum(confidence >= thr, axis=1)  # a prefix: confidence never rises
+        num_valid = jnp.minimum(num_valid, jnp.minimum(confident + 1, K))
+    num_valid = jnp.where(active, num_valid, 0).astype(jnp.int32)
+    valid = jnp.arange(K, dtype=jnp.int32)[None, :] < num_valid[:, None]
+    zero = jnp.zeros_like(probs)
+    return ProposeOutput(
+        tokens=jnp.where(valid, draft_tokens, -1),
+        probs=jnp.where(active[:, None], probs, zero),
+        confidence=jnp.where(active[:, None], confidence, zero),
+        num_valid=num_valid,
+        hidden=jnp.where(active[:, None, None], hidden, 0.0),
+        logits=logits,
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -567,30 +608,9 @@ def propose(
         None if y is None else jnp.moveaxis(y, 0, 1) for y in ys
     )  # [B, K], [B, K], [B, K], [B, K, H], [B, K, V'] or None
 
-    # 3. Validity: a prefix cut at an empty grammar mask and after the first draft whose running
-    # confidence falls below the threshold.
-    confidence = jax.lax.cummin(probs, axis=1)
-    num_valid = jnp.sum(jnp.cumprod(oks.astype(jnp.int32), axis=1), axis=1)
-    if confidence_threshold is not None:
-        thr = jnp.asarray(confidence_threshold, jnp.float32)
-        if thr.ndim > 1 or (thr.ndim == 1 and thr.shape != (B,)):
-            raise ValueError(
-                f"confidence_threshold must be a scalar or f32[B={B}], got shape {thr.shape}"
-            )
-        if thr.ndim == 1:
-            thr = thr[:, None]
-        confident = jnp.sum(confidence >= thr, axis=1)  # a prefix: confidence never rises
-        num_valid = jnp.minimum(num_valid, jnp.minimum(confident + 1, K))
-    num_valid = jnp.where(active, num_valid, 0).astype(jnp.int32)
-    valid = jnp.arange(K, dtype=jnp.int32)[None, :] < num_valid[:, None]
-    zero = jnp.zeros_like(probs)
-    output = ProposeOutput(
-        tokens=jnp.where(valid, draft_tokens, -1),
-        probs=jnp.where(active[:, None], probs, zero),
-        confidence=jnp.where(active[:, None], confidence, zero),
-        num_valid=num_valid,
-        hidden=jnp.where(active[:, None, None], hidden, 0.0),
-        logits=all_logits,
+    # 3. Validity.
+    output = finish_drafts(
+        draft_tokens, probs, oks, hidden, all_logits, active, confidence_threshold
     )
     new_state = DrafterState(
         kv=cache,
