@@ -100,13 +100,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     B, Tq, Nq, D = q.shape
     Nkv = k.shape[-2]
     q = q.astype(jnp.float32).reshape(B, Tq, Nkv, Nq // Nkv, D)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(jnp.float32)) * (D**-0.5)
+    # HIGHEST: this is the F32 reference; a GPU's default would round the operands to TF32.
+    hi = jax.lax.Precision.HIGHEST
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(jnp.float32), precision=hi) * (D**-0.5)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32))
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32), precision=hi)
     return out.reshape(B, Tq, Nq, D)
 
 
