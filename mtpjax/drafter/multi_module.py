@@ -248,13 +248,6 @@ class MultiDrafterState:
         """int32[N, B] rows held per module and sequence."""
         return jnp.stack([m.seq_len for m in self.modules])
 
-    def after_verify(
-        self, num_accepted: jax.Array, *, refeed: bool | jax.Array = False
-    ) -> MultiDrafterState:
-        """``after_verify_multi`` without the jit, returning only the new state (what the verify
-        step calls on a drafter state that is not a single-head ``DrafterState``)."""
-        return _after_verify(self, num_accepted, refeed=refeed)[1]
-
 
 # ------------------------------------------------------------------------------------------
 # Construction.

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from mtpjax.config import LMHeadConfig
 from mtpjax.drafter import ProposeOutput, after_verify
 from mtpjax.head import LMHeadParams, lm_head
-from mtpjax.kv import DrafterState
 from mtpjax.verify import metrics as metrics_lib
 from mtpjax.verify.accept import accept
 from mtpjax.verify.metrics import SpecDecodeMetrics
@@ -44,16 +43,6 @@ class VerifyOutput:
     num_accepted: jax.Array
     output_tokens: jax.Array
     num_output: jax.Array
-
-
-def _trim(state, num_accepted: jax.Array, refeed):
-    """after_verify for whichever drafter state the caller holds."""
-    if isinstance(state, DrafterState):
-        return after_verify(state, num_accepted, refeed=refeed)[1]
-    trim = getattr(state, "after_verify", None)
-    if trim is None:
-        raise TypeError(f"verify does not know how to trim a {type(state).__name__}")
-    return trim(num_accepted, refeed=refeed)
 
 
 @functools.partial(
@@ -115,8 +104,8 @@ def verify(
         num_output=jnp.where(active, result.num_output, 0),
     )
     # Inactive sequences proposed nothing this round (last_num_drafted is 0 for them), so the
-    # trim leaves them untouched.
-    state = _trim(state, num_accepted, refeed)
+    # trim leaves them untouched. after_verify serves single- and multi-module states alike.
+    _, state = after_verify(state, num_accepted, refeed=refeed)
     if metrics is None:
         metrics = metrics_lib.empty(K)
     metrics = metrics_lib.update(metrics, num_accepted, num_valid)
