@@ -226,3 +226,26 @@ def to_f16_rowscaled(x: jax.Array, m_pad: int) -> tuple[jax.Array, jax.Array]:
     x16 = (xf * scale[:, None]).astype(jnp.float16)
     x16 = jnp.pad(x16, ((0, m_pad - x.shape[0]), (0, 0)))
     return x16, jnp.exp2(-shift)
+
+
+def split_k_loop(load, compute_step, acc0, *, split_index, iters_per_split, total_iters, prefetch):
+    """The K loop of a split-K program: this program's K-tiles, optionally loading tile i+1
+    while tile i is computed (register prefetch). Returns the final accumulator.
+
+    load(i) -> raw tile; compute_step(raw, acc) -> acc.
+    """
+    if iters_per_split >= total_iters:
+        lo_it, hi_it = 0, total_iters
+    else:
+        lo_it = split_index * iters_per_split
+        hi_it = jnp.minimum(lo_it + iters_per_split, total_iters)
+    if prefetch:
+
+        def body(i, carry):
+            acc, raw = carry
+            nxt = load(jnp.minimum(i + 1, hi_it - 1))
+            return compute_step(raw, acc), nxt
+
+        acc, _ = jax.lax.fori_loop(lo_it, hi_it, body, (acc0, load(lo_it)))
+        return acc
+    return jax.lax.fori_loop(lo_it, hi_it, lambda i, a: compute_step(load(i), a), acc0)

@@ -280,21 +280,15 @@ def _gemv_kernel(
         acc0 = tuple(jnp.zeros(shape, jnp.float32) for _ in range(m))
     else:
         acc0 = jnp.zeros((bn, m_pad), jnp.float32)
-    if iters_per_split >= total_iters:
-        lo_it, hi_it = 0, total_iters
-    else:
-        lo_it = pid_s * iters_per_split
-        hi_it = jnp.minimum(lo_it + iters_per_split, total_iters)
-    if prefetch:
-
-        def body(i, carry):
-            acc, raw = carry
-            nxt = load(jnp.minimum(i + 1, hi_it - 1))
-            return compute_step(raw, acc), nxt
-
-        acc, _ = jax.lax.fori_loop(lo_it, hi_it, body, (acc0, load(lo_it)))
-    else:
-        acc = jax.lax.fori_loop(lo_it, hi_it, lambda i, a: compute_step(load(i), a), acc0)
+    acc = C.split_k_loop(
+        load,
+        compute_step,
+        acc0,
+        split_index=pid_s,
+        iters_per_split=iters_per_split,
+        total_iters=total_iters,
+        prefetch=prefetch,
+    )
 
     # Epilogue: per-row (weight) and per-activation-row scales, then a masked store.
     row_scale = None

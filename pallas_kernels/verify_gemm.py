@@ -261,21 +261,15 @@ def _verify_kernel(
         return tuple(a + mm(x, w) for a, x in zip(accs, xc))
 
     acc0 = tuple(jnp.zeros((bn, c) if swap_ab else (c, bn), jnp.float32) for c in chunks)
-    if iters_per_split >= total_iters:
-        lo_it, hi_it = 0, total_iters
-    else:
-        lo_it = pid_s * iters_per_split
-        hi_it = jnp.minimum(lo_it + iters_per_split, total_iters)
-    if prefetch:
-
-        def body(i, carry):
-            accs, raw = carry
-            nxt = load(jnp.minimum(i + 1, hi_it - 1))
-            return compute_step(raw, accs), nxt
-
-        accs, _ = jax.lax.fori_loop(lo_it, hi_it, body, (acc0, load(lo_it)))
-    else:
-        accs = jax.lax.fori_loop(lo_it, hi_it, lambda i, a: compute_step(load(i), a), acc0)
+    accs = C.split_k_loop(
+        load,
+        compute_step,
+        acc0,
+        split_index=pid_s,
+        iters_per_split=iters_per_split,
+        total_iters=total_iters,
+        prefetch=prefetch,
+    )
 
     cols = n0 + jnp.arange(bn, dtype=jnp.int32)
     col_scale = None
