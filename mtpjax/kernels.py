@@ -1,9 +1,20 @@
 """Wires the Pallas GPU kernels of `pallas_kernels/` into `linear` and the LM head.
 
 `linear` serves 1 row (GEMV) and 2..8 rows (batched GEMV, the weight streamed once) from the
-Pallas GEMV kernels; 9..96 rows and more stay on XLA there, because the verify GEMM reads a
-transposed copy that only the LM head keeps (`LMHeadParams.verify_weight`), and the head's
-verify tier calls the verify GEMM on it. Importing `mtpjax` registers everything once.
+Pallas GEMV kernels. Nine rows and more (a batch of sequences, a verify-wide window, MoE
+experts over every row) cannot use the verify GEMM, which reads a transposed copy that only the
+LM head keeps (`LMHeadParams.verify_weight`; the head's verify tier calls it). They take the
+tensor cores on BF16 operands with F32 accumulation instead:
+
+* BF16 and FP8 per-row weights: one XLA dot on BF16 operands (FP8 widened to BF16 inside the
+  dot's fusion, the per-row scale applied after), so the weight is read once at any row count;
+* NVFP4 and FP8 block-128: the batched GEMV kernel over chunks of 32 rows, one weight pass per
+  chunk. XLA has no fused decode for these formats: its dequantise-then-dot path writes and
+  re-reads the weight in BF16 and was 8x slower than a GEMV pass on the H200.
+
+The XLA reference computes F32 activations in F32 at HIGHEST precision (exact on the CPU, and
+FFMA-bound on a GPU); the kernels round activations to BF16 on the way in, like every kernel
+here. Importing `mtpjax` registers everything once.
 
 The kernels take BF16 activations (W4A16 / W8A16 / BF16 GEMVs): F32 activations are rounded to
 BF16 on the way in, so a forced Pallas path agrees with the F32 XLA path to BF16 activation
@@ -62,6 +73,35 @@ def _verify_kernel(fmt: WeightFormat):
     return run
 
 
+#: Rows per batched-GEMV pass in the many-rows regimes (the kernel's ceiling).
+GEMV_CHUNK_ROWS = pk.GEMV_MAX_ROWS
+
+
+def _bf16_operands_dot(x: jax.Array, w: Weight) -> jax.Array:
+    """``x @ w.T`` on BF16 operands with F32 accumulation: f32[M, N] (BF16 and FP8 per-row)."""
+    xb = x.astype(jnp.bfloat16)
+    wb = w.w if w.format is WeightFormat.BF16 else w.q.astype(jnp.bfloat16)  # FP8 is exact in BF16
+    y = jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y if w.format is WeightFormat.BF16 else y * w.scale
+
+
+def _many_rows_kernel(fmt: WeightFormat):
+    gemv, leaves = _GEMVS[fmt]
+    dot_in_xla = fmt in (WeightFormat.BF16, WeightFormat.FP8)
+
+    def run(x: jax.Array, w: Weight, *, out_dtype, interpret: bool) -> jax.Array:
+        if dot_in_xla:
+            return _bf16_operands_dot(x, w).astype(out_dtype)
+        xb = x.astype(jnp.bfloat16)
+        chunks = [
+            gemv(xb[r : r + GEMV_CHUNK_ROWS], *leaves(w), interpret=interpret)
+            for r in range(0, x.shape[0], GEMV_CHUNK_ROWS)
+        ]
+        return jnp.concatenate(chunks, axis=0).astype(out_dtype)
+
+    return run
+
+
 def register_pallas_kernels() -> None:
     """Registers every Pallas kernel; calling it again is a no-op."""
     if any(k[0] is WeightFormat.BF16 for k in registered_kernels()):
@@ -69,4 +109,6 @@ def register_pallas_kernels() -> None:
     for fmt in _GEMVS:
         for regime in (RowsRegime.GEMV, RowsRegime.BATCHED_GEMV):
             register_kernel(fmt, regime, _gemv_kernel(fmt))
+        for regime in (RowsRegime.TILE_GEMM, RowsRegime.GEMM):
+            register_kernel(fmt, regime, _many_rows_kernel(fmt))
         register_verify_kernel(fmt, _verify_kernel(fmt))

@@ -7,11 +7,13 @@ the same signature, accumulates in F32 and is both the fallback and the test ora
 
 Row-count dispatch for a projection (DESIGN §7): 1..8 rows (and 16, 32) -> ``gemv`` kernels, which
 stream the weight once for all rows; 9..96 rows -> ``verify_gemm`` on the transposed padded copy
-(:func:`make_transposed`); more -> XLA's GEMM on the dequantised weight.
+(:func:`make_transposed`), which only the LM head keeps; `mtpjax.kernels` serves the other
+projections' many-row regimes from BF16 tensor-core dots and chunked batched GEMVs.
 """
 
 from pallas_kernels._common import gpu_available
 from pallas_kernels.argmax import ArgmaxConfig, argmax_logprob, argmax_logprob_reference
+from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.gemv import (
     GemvConfig,
     bf16_gemv,
@@ -42,6 +44,7 @@ from pallas_kernels.verify_gemm import (
 )
 
 __all__ = [
+    "GEMV_MAX_ROWS",
     "ArgmaxConfig",
     "GemvConfig",
     "PagedAttentionConfig",

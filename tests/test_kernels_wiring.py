@@ -22,8 +22,15 @@ def test_every_format_has_gemv_kernels_registered():
             assert (fmt, regime) in table
 
 
+def test_every_format_has_many_rows_kernels_registered():
+    table = registered_kernels()
+    for fmt in WeightFormat:
+        for regime in (RowsRegime.TILE_GEMM, RowsRegime.GEMM):
+            assert (fmt, regime) in table
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 40, 97])  # GEMV, batched, chunked (32 + 8), GEMM regime
 def test_linear_pallas_matches_xla(fmt, rows):
     kw, kx = jax.random.split(jax.random.key(hash(fmt) % 1000 + rows))
     w = quantize(jax.random.normal(kw, (200, 256)) * 0.05, fmt)
