@@ -1,0 +1,66 @@
+"""scripts/profile_propose.py: the Perfetto parsing on a hand-written trace, and one smoke point
+profiled end to end on the CPU."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load():
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location("profile_propose", SCRIPTS / "profile_propose.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write_trace(path: Path, events: list[dict]) -> None:
+    path.mkdir(parents=True)
+    with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_breakdown_sums_gpu_events_per_call(tmp_path):
+    pp = _load()
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+    ]
+    gpu = [
+        {"ph": "X", "pid": 7, "name": "gemv", "ts": 0, "dur": 30.0},
+        {"ph": "X", "pid": 7, "name": "gemv", "ts": 50, "dur": 50.0},
+        {"ph": "X", "pid": 7, "name": "argmax", "ts": 120, "dur": 20.0},
+    ]
+    host = [{"ph": "X", "pid": 1, "name": "dispatch", "ts": 0, "dur": 900.0}]
+    _write_trace(tmp_path / "plugins" / "profile" / "run", meta + gpu + host)
+    events = pp.device_events(tmp_path)
+    assert sorted(e["name"] for e in events) == ["argmax", "gemv", "gemv"]  # host ignored
+    rows, busy = pp.breakdown(events, calls=2)
+    assert busy == pytest.approx(50.0)  # (30 + 50 + 20) / 2 calls
+    assert [r["kernel"] for r in rows] == ["gemv", "argmax"]  # by time, largest first
+    assert rows[0]["us_per_call"] == pytest.approx(40.0)
+    assert rows[0]["launches_per_call"] == pytest.approx(1.0)
+
+
+def test_missing_trace_names_the_directory(tmp_path):
+    pp = _load()
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        pp.device_events(tmp_path)
+
+
+def test_point_parsing_rejects_unknown_names():
+    pp = _load()
+    assert pp.parse_point("dense/fp8/3/8") == ("dense", "fp8", 3, 8, "propose")
+    assert pp.parse_point("moe/nvfp4/1/1/round")[-1] == "round"
+    for bad in ("dense/fp8/3", "huge/fp8/3/8", "dense/fp4/3/8", "dense/fp8/3/8/verify"):
+        with pytest.raises(Exception, match="point"):
+            pp.parse_point(bad)
