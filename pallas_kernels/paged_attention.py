@@ -9,10 +9,12 @@ Shapes:
 
 Query head ``j`` reads KV head ``j // (n_q // n_kv)``. D must be a power of two >= 16.
 
-FP8 KV scales: ``k_scale``/``v_scale`` are either a per-tensor f32 scalar or per-(block, head)
-f32[num_blocks, n_kv] (dequantised row = ``fp8 * scale[block, head]``). Per-(block, head) is the
-finer choice and costs one scalar load per page; a per-tensor scale is the special case of a
-constant table and is passed as a scalar so nothing is materialised.
+FP8 KV scales: ``k_scale``/``v_scale`` are a per-tensor f32 scalar, per-(block, head)
+f32[num_blocks, n_kv] (dequantised row = ``fp8 * scale[block, head]``), or per-(row, head)
+f32[num_blocks, block_size, n_kv] (``fp8 * scale[block, slot, head]``, the drafter pool's own
+layout: rows are written one decode step at a time, so a block cannot share one scale). Scales
+never touch the tiles: the K scale multiplies the score columns and the V scale the
+probabilities, a [G, rows] vector product per step.
 
 Algorithm (flash decoding): the grid is (B, n_kv, splits); each program takes the G query heads of
 one KV head (padded to 16 rows for ``pl.dot``) and an equal share of the sequence's pages, walks
@@ -122,6 +124,12 @@ def _attn_kernel(
             ksc = jnp.broadcast_to(ksc[:, None], (pps, bs)).reshape(t)
             vsc = jnp.broadcast_to(vsc[:, None], (pps, bs)).reshape(t)
             qk = qk * ksc[None, :]
+        elif scale_kind == "row":
+            s_idx = (phys[:, None], row_lane[None, :], h)
+            s_mask = jnp.broadcast_to(pvalid[:, None], (pps, bs))
+            ksc = plgpu.load(ks_ref.at[s_idx], mask=s_mask, other=0.0).reshape(t)
+            vsc = plgpu.load(vs_ref.at[s_idx], mask=s_mask, other=0.0).reshape(t)
+            qk = qk * ksc[None, :]
         elif scale_kind == "tensor":
             qk = qk * ks_ref[0]
         tok_ok = (p0 * bs + tok_lane) < length
@@ -130,7 +138,7 @@ def _attn_kernel(
         corr = jnp.exp2(m_i - m_new)
         p = jnp.exp2(qk - m_new[:, None])
         l_new = l_i * corr + jnp.sum(p, axis=1)
-        if scale_kind == "block":
+        if scale_kind in ("block", "row"):
             p = p * vsc[None, :]
         pv = jax.lax.dot_general(
             p.astype(mm_dtype),
@@ -176,8 +184,8 @@ def paged_attention(
       block_tables: int32[B, max_blocks].
       lengths: int32[B], rows 0..length-1 of each sequence are attended.
       scale: softmax scale applied to q.k.
-      k_scale, v_scale: FP8 dequantisation scales, f32 scalar or f32[num_blocks, n_kv]; required
-        for FP8 pools, must be None for BF16 pools.
+      k_scale, v_scale: FP8 dequantisation scales, f32 scalar, f32[num_blocks, n_kv] or
+        f32[num_blocks, block_size, n_kv]; required for FP8 pools, must be None for BF16 pools.
       out_dtype: output dtype (f32 or bf16).
 
     Returns:
@@ -215,6 +223,14 @@ def paged_attention(
         if ks.ndim == 0 and vs.ndim == 0:
             scale_kind = "tensor"
             ins += [ks.reshape(1), vs.reshape(1)]
+        elif ks.ndim == 3 or vs.ndim == 3:
+            if ks.shape != (nb, bs, n_kv) or vs.shape != (nb, bs, n_kv):
+                raise ValueError(
+                    f"per-row FP8 scales must both be [num_blocks, block_size, n_kv] = "
+                    f"{[nb, bs, n_kv]}, got k_scale {list(ks.shape)}, v_scale {list(vs.shape)}"
+                )
+            scale_kind = "row"
+            ins += [ks, vs]
         else:
             scale_kind = "block"
             ins += [jnp.broadcast_to(ks, (nb, n_kv)), jnp.broadcast_to(vs, (nb, n_kv))]
@@ -270,10 +286,16 @@ def paged_attention_reference(
     k = k_pool.astype(jnp.float32)
     v = v_pool.astype(jnp.float32)
     if k_scale is not None:
-        ks = jnp.broadcast_to(jnp.asarray(k_scale, jnp.float32), (nb, n_kv))
-        vs = jnp.broadcast_to(jnp.asarray(v_scale, jnp.float32), (nb, n_kv))
-        k = k * ks[:, None, :, None]
-        v = v * vs[:, None, :, None]
+        bs = k_pool.shape[1]
+
+        def per_row(sc):  # scalar, [nb, n_kv] or [nb, bs, n_kv] -> [nb, bs, n_kv]
+            sc = jnp.asarray(sc, jnp.float32)
+            if sc.ndim == 2:  # per (block, head): the same for every row of the block
+                sc = sc[:, None, :]
+            return jnp.broadcast_to(sc, (nb, bs, n_kv))
+
+        k = k * per_row(k_scale)[..., None]
+        v = v * per_row(v_scale)[..., None]
     bt = jnp.clip(block_tables, 0, nb - 1)
     kg = k[bt].reshape(bsz, -1, n_kv, d)  # [B, T, n_kv, D]
     vg = v[bt].reshape(bsz, -1, n_kv, d)

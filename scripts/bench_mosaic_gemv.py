@@ -93,7 +93,10 @@ def child_baselines(ctx):
         ws = [BK._weights(ctx, "bf16", n, k)[0] for _ in range(MIN_COPIES)]
         for m in rows:
             reps = BK._launches(n * k * 2, n * k * 2 / 4.0e6)
-            sets = [(jax.random.normal(ctx.next_key(), (m, k), jnp.bfloat16), ws[i % len(ws)]) for i in range(reps)]
+            sets = [
+                (jax.random.normal(ctx.next_key(), (m, k), jnp.bfloat16), ws[i % len(ws)])
+                for i in range(reps)
+            ]
 
             def xla_bf16(x, w):
                 return jax.lax.dot_general(
@@ -203,14 +206,18 @@ def run_child(section: str, smoke: bool, deadline: float, out_path: str, skip: s
     if smoke:
         jax.config.update("jax_platforms", "cpu")
     ctx = Ctx(smoke, deadline, out_path)
-    ctx.emit(dict(kernel="_env", section=section, jax=jax.__version__, device=str(jax.devices()[0])))
+    ctx.emit(
+        dict(kernel="_env", section=section, jax=jax.__version__, device=str(jax.devices()[0]))
+    )
     try:
         if section == "baselines":
             child_baselines(ctx)
         else:
             child_mosaic(ctx, skip)
     except Exception:
-        ctx.emit(dict(kernel="_section_error", section=section, error=traceback.format_exc()[-3000:]))
+        ctx.emit(
+            dict(kernel="_section_error", section=section, error=traceback.format_exc()[-3000:])
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +227,11 @@ def run_child(section: str, smoke: bool, deadline: float, out_path: str, skip: s
 
 def _derive(records: list[dict]) -> list[dict]:
     key = lambda r: (r["shape"], r["n"], r["k"], r["rows"])  # noqa: E731
-    xla = {key(r): r["time_us"] for r in records if r.get("kernel") == "xla_bf16_dot" and "time_us" in r}
+    xla = {
+        key(r): r["time_us"]
+        for r in records
+        if r.get("kernel") == "xla_bf16_dot" and "time_us" in r
+    }
     tri = {
         key(r): r["time_us"]
         for r in records
@@ -244,8 +255,10 @@ def _summary(records: list[dict]) -> str:
     for r in records:
         if r.get("kernel") in ("_section_error", "_crash") or r.get("ok") is False:
             err = r.get("error") or r.get("rel_err")
-            lines.append(f"FAIL {r.get('kernel')} {r.get('shape', '')} rows={r.get('rows', '')} "
-                         f"cfg={r.get('config')} {str(err)[-400:]}")
+            lines.append(
+                f"FAIL {r.get('kernel')} {r.get('shape', '')} rows={r.get('rows', '')} "
+                f"cfg={r.get('config')} {str(err)[-400:]}"
+            )
     hdr = f"{'kernel':<22}{'shape':<14}{'rows':>5}{'time_us':>10}{'vs XLA':>8}{'vs Triton':>10}  config"
     lines.append(hdr)
     for r in records:
@@ -274,7 +287,9 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        run_child(args.child, args.smoke, args.deadline, args.out, set(filter(None, args.skip.split(","))))
+        run_child(
+            args.child, args.smoke, args.deadline, args.out, set(filter(None, args.skip.split(",")))
+        )
         return 0
 
     start = time.time()
@@ -288,16 +303,31 @@ def main(argv=None):
                 sec_end = start + args.budget_s
             for attempt in range(3):
                 path = os.path.join(tmp, f"{sec}_{attempt}.jsonl")
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", sec, "--out", path,
-                       "--deadline", str(sec_end), "--skip", ",".join(skip)]
+                cmd = [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--child",
+                    sec,
+                    "--out",
+                    path,
+                    "--deadline",
+                    str(sec_end),
+                    "--skip",
+                    ",".join(skip),
+                ]
                 if args.smoke:
                     cmd.append("--smoke")
                 env = dict(os.environ)
                 env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
                 t0 = time.time()
                 try:
-                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                          timeout=max(30.0, sec_end - time.time() + 30))
+                    proc = subprocess.run(
+                        cmd,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=max(30.0, sec_end - time.time() + 30),
+                    )
                     rc, tail = proc.returncode, (proc.stderr or "")[-3000:]
                 except subprocess.TimeoutExpired as e:
                     rc, tail = -9, f"timeout: {str(e.stderr or '')[-2000:]}"
@@ -306,23 +336,22 @@ def main(argv=None):
                     with open(path) as f:
                         recs = [json.loads(line) for line in f if line.strip()]
                 records.extend(r for r in recs if r.get("kernel") != "_start")
-                print(f"[{sec} attempt {attempt}] rc={rc} records={len(recs)} {time.time() - t0:.0f}s",
-                      flush=True)
+                print(
+                    f"[{sec} attempt {attempt}] rc={rc} records={len(recs)} {time.time() - t0:.0f}s",
+                    flush=True,
+                )
                 if rc == 0:
                     if tail.strip() and any(r.get("ok") is False for r in recs):
                         print(tail[-1500:], flush=True)
                     break
                 started = [r["id"] for r in recs if r.get("kernel") == "_start"]
-                finished = {r.get("id") for r in recs if r.get("kernel") != "_start"}
                 crashed = started[-1] if started else None
                 records.append(dict(kernel="_crash", section=sec, id=crashed, rc=rc, error=tail))
                 print(f"child crashed in {crashed}: {tail[-1500:]}", flush=True)
                 if crashed is None or time.time() > sec_end - 20:
                     break
-                skip.extend(i for i in started if i not in finished and i != crashed)
-                skip.append(crashed)
-                # Everything before the crash was recorded; skip it on the restart.
-                skip.extend(started[:-1])
+                # Everything before the crash is recorded; the restart skips it and the crash.
+                skip.extend(started)
     records = _derive(records)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -24,10 +24,11 @@ def _inputs(rng, b, n_q, n_kv, d, bs, max_blocks, kv):
         k, v = k.astype(ml_dtypes.bfloat16), v.astype(ml_dtypes.bfloat16)
     else:
         k, v = k.astype(ml_dtypes.float8_e4m3fn), v.astype(ml_dtypes.float8_e4m3fn)
-        if kv == "fp8_block":
+        if kv in ("fp8_block", "fp8_row"):
+            shape = (nb, n_kv) if kv == "fp8_block" else (nb, bs, n_kv)
             kw = dict(
-                k_scale=jnp.asarray(rng.uniform(0.2, 2.0, (nb, n_kv)), jnp.float32),
-                v_scale=jnp.asarray(rng.uniform(0.2, 2.0, (nb, n_kv)), jnp.float32),
+                k_scale=jnp.asarray(rng.uniform(0.2, 2.0, shape), jnp.float32),
+                v_scale=jnp.asarray(rng.uniform(0.2, 2.0, shape), jnp.float32),
             )
         else:
             kw = dict(k_scale=jnp.float32(0.6), v_scale=jnp.float32(1.7))
@@ -40,10 +41,14 @@ def _dense_oracle(q, k, v, bt, lengths, scale, kw):
     v = np.asarray(v, np.float64)
     nb, bs, n_kv, d = k.shape
     if kw:
-        ks = np.broadcast_to(np.asarray(kw["k_scale"], np.float64), (nb, n_kv))
-        vs = np.broadcast_to(np.asarray(kw["v_scale"], np.float64), (nb, n_kv))
-        k = k * ks[:, None, :, None]
-        v = v * vs[:, None, :, None]
+
+        def per_row(sc):  # scalar, [nb, n_kv] or [nb, bs, n_kv] -> [nb, bs, n_kv, 1]
+            sc = np.asarray(sc, np.float64)
+            sc = sc if sc.ndim == 3 else np.broadcast_to(sc, (nb, n_kv))[:, None, :]
+            return np.broadcast_to(sc, (nb, bs, n_kv))[..., None]
+
+        k = k * per_row(kw["k_scale"])
+        v = v * per_row(kw["v_scale"])
     b, n_q, _ = q.shape
     g = n_q // n_kv
     out = np.zeros((b, n_q, d))
@@ -67,6 +72,7 @@ def _dense_oracle(q, k, v, bt, lengths, scale, kw):
         ("bf16", 8, 2, P.PagedAttentionConfig(pages_per_step=2, splits=3)),
         ("fp8_block", 4, 4, P.PagedAttentionConfig(pages_per_step=4, splits=1)),
         ("fp8_tensor", 16, 2, None),
+        ("fp8_row", 8, 2, P.PagedAttentionConfig(pages_per_step=2, splits=2)),
     ],
 )
 def test_paged_attention_matches_oracle(kv, n_q, n_kv, cfg):
@@ -106,6 +112,9 @@ def test_rejects_bad_inputs():
     lengths = jnp.asarray([5, 5], jnp.int32)
     with pytest.raises(ValueError, match="FP8"):
         P.paged_attention(q, k, v, bt, lengths, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="block_size"):  # per-row scales of the wrong shape
+        bad = jnp.ones((k.shape[0], 4, 2), jnp.float32)
+        P.paged_attention(q, k, v, bt, lengths, scale=1.0, k_scale=bad, v_scale=bad, interpret=True)
     q3, k3, v3, bt3, _ = _inputs(rng, 2, 6, 4, 16, 8, 3, "bf16")
     with pytest.raises(ValueError, match="multiple"):
         P.paged_attention(q3, k3, v3, bt3, lengths, scale=1.0, interpret=True)

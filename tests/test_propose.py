@@ -105,13 +105,10 @@ def test_paged_attention_equals_dense_attention(kv_dtype):
 
     dense = jax.jit(attend)(q[:, None], k, v, valid[:, None])[:, 0]
     np.testing.assert_allclose(got, dense, rtol=1e-6, atol=1e-6)
-    if kv_dtype is kv.KVDtype.BF16:
-        # The Pallas kernel (interpret mode here) on the same cache.
-        kernel = drafter.paged_attention(q, cache, implementation="pallas")
-        np.testing.assert_allclose(kernel, got, rtol=2e-2, atol=2e-2)  # P.V meets in bf16
-    else:
-        with pytest.raises(NotImplementedError, match="per-\\(row, head\\) scales"):
-            drafter.paged_attention(q, cache, implementation="pallas")
+    # The Pallas kernel (interpret mode here) on the same cache; FP8 pools pass their
+    # per-(row, head) scales.
+    kernel = drafter.paged_attention(q, cache, implementation="pallas")
+    np.testing.assert_allclose(kernel, got, rtol=2e-2, atol=2e-2)  # P.V meets in bf16 / f16
 
 
 # --------------------------------------------------------------------------------------------

@@ -158,9 +158,6 @@ def _parse_implementation(implementation) -> Implementation:
 def _kernel_supports(cache: PagedKVCache) -> str | None:
     """Why the Pallas paged-attention kernel cannot read this cache, or None when it can."""
     pool = cache.pool
-    if pool.k_scale is not None:
-        # The kernel takes FP8 scales per (block, head); the pool keeps one per (row, head).
-        return "the FP8 pool keeps per-(row, head) scales and the kernel reads per-(block, head)"
     D, S = pool.k.shape[-1], pool.block_size
     if D < 16 or D & (D - 1) or S & (S - 1):
         return f"the kernel needs a power-of-two head_dim >= 16 and block_size (got {D}, {S})"
@@ -176,8 +173,8 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, *, implementation="auto")
 
     Sequence b attends to its rows ``0 .. seq_len[b]-1`` (dequantised), GQA as in ``attend``.
     "xla" gathers the context through the block table and runs the ``attend`` reference;
-    "pallas" runs ``pallas_kernels.paged_attention`` (interpret mode off-GPU; BF16 pools with
-    power-of-two head_dim and block_size, else NotImplementedError); "auto" takes the kernel on
+    "pallas" runs ``pallas_kernels.paged_attention`` (interpret mode off-GPU; BF16 or FP8 pools
+    with power-of-two head_dim and block_size, else NotImplementedError); "auto" takes the kernel on
     a GPU when it supports the cache, else XLA.
     """
     impl = _parse_implementation(implementation)
@@ -198,6 +195,8 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, *, implementation="auto")
             jnp.maximum(cache.block_table, 0),  # unheld slots lie past seq_len: never read
             cache.seq_len,
             scale=q.shape[-1] ** -0.5,
+            k_scale=cache.pool.k_scale,  # FP8 pools: per (row, head); None for BF16
+            v_scale=cache.pool.v_scale,
             interpret=not _on_gpu(),
         )
     k, v, valid = gather(cache, cache.max_rows_per_seq)  # [B, L, Nkv, D], [B, L]
