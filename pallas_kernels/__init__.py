@@ -1,4 +1,5 @@
-"""Pallas GPU kernels (Triton lowering) with pure-``jnp`` reference twins.
+"""Pallas GPU kernels (Triton lowering; the NVFP4 GEMV also through Mosaic GPU) with pure-``jnp``
+reference twins.
 
 Every public kernel takes raw arrays (the DESIGN §3 weight leaves), an optional frozen tile
 config and ``interpret: bool`` (True runs the same kernel on the CPU); its ``*_reference`` twin has
@@ -25,6 +26,13 @@ from pallas_kernels.gemv import (
     nvfp4_gemv,
     nvfp4_gemv_reference,
 )
+from pallas_kernels.gemv_mosaic import K_ALIGN as MOSAIC_K_ALIGN
+from pallas_kernels.gemv_mosaic import N_ALIGN as MOSAIC_N_ALIGN
+from pallas_kernels.gemv_mosaic import (
+    MosaicGemvConfig,
+    nvfp4_gemv_mosaic,
+    prepare_nvfp4_mosaic,
+)
 from pallas_kernels.paged_attention import (
     PagedAttentionConfig,
     paged_attention,
@@ -45,8 +53,11 @@ from pallas_kernels.verify_gemm import (
 
 __all__ = [
     "GEMV_MAX_ROWS",
+    "MOSAIC_K_ALIGN",
+    "MOSAIC_N_ALIGN",
     "ArgmaxConfig",
     "GemvConfig",
+    "MosaicGemvConfig",
     "PagedAttentionConfig",
     "VerifyGemmConfig",
     "argmax_logprob",
@@ -60,9 +71,11 @@ __all__ = [
     "gpu_available",
     "make_transposed",
     "nvfp4_gemv",
+    "nvfp4_gemv_mosaic",
     "nvfp4_gemv_reference",
     "paged_attention",
     "paged_attention_reference",
+    "prepare_nvfp4_mosaic",
     "verify_gemm_bf16",
     "verify_gemm_bf16_reference",
     "verify_gemm_fp8_block",

@@ -3,20 +3,27 @@
 The Triton NVFP4 GEMV (:func:`pallas_kernels.gemv.nvfp4_gemv`) spends ~5-6 ALU instructions per
 weight element (decode, scale, convert, FMA) and is ALU-bound on H200. Here the multiply-adds go
 to ``wgmma``: each warpgroup decodes a ``[block_n, 64]`` float16 weight tile into registers, the
-*left* operand of ``wgmma.m64n{8,16,..}k16`` (weight rows are the MMA's M), and the activations
-sit in shared memory as the right operand (the rows padded to a multiple of 8, the MMA's N). What
-is left on the ALUs is about 2.6 instructions per weight element: one 32-bit shared load per 8
-elements, 19 shift/mask/multiply ops per 8 elements, and a scale load + ``cvt`` per 8 elements.
+*left* operand of ``wgmma.m64nNk16`` (weight rows are the MMA's M), and the activations sit in
+shared memory as the right operand (rows padded to a multiple of 8, the MMA's N). What is left
+on the ALUs per 8 weight elements is one 32-bit shared load, a scale byte load + ``cvt``, four
+``f16x2`` multiplies and 11 (``layout="relaid"``/"tiled") or 15 ("checkpoint") shift/mask ops.
 
-Decode (per thread, per 32-bit word ``w`` = four packed bytes ``b0..b3`` of one weight row, the
-register the ``WGMMA_LAYOUT_8BIT`` load gives): the four float16 pairs ``(lo b0, lo b2)``,
-``(hi b0, hi b2)``, ``(lo b1, lo b3)``, ``(hi b1, hi b3)`` each come from two shifts and two masks
-of ``w`` (``_PAIR_SHIFTS``), because a nibble ``s i2 i1 i0`` placed as float16 bits
-``s << 15 | i << 9`` is exactly ``e2m1 * 2**-14`` (see :mod:`pallas_kernels._common`). Each pair
-is multiplied by the block scale in ``f16x2`` (exact) and is already one register of the
+Decode (per thread, per 32-bit word ``w`` = four packed bytes of one weight row, the register
+the ``WGMMA_LAYOUT_8BIT`` load gives): a nibble ``s i2 i1 i0`` placed as float16 bits
+``s << 15 | i << 9`` is exactly ``e2m1 * 2**-14`` (see :mod:`pallas_kernels._common`), so each
+of the four float16 pairs of a word is a few shifts and masks of ``w`` (``_DECODE_TERMS``),
+multiplied by the block scale in ``f16x2`` (exact), and is already one register of the
 ``WGMMA_LAYOUT`` operand. That fixes a permutation of K inside every 32-element block (logical
-column ``8i + 2q + e`` holds element ``8q + i + 4e``), which is applied to the activations on the
-host (:func:`permute_k`); the weight keeps its checkpoint layout.
+column ``8i + 2q + e`` holds element ``8q + i + 4e``), applied to the activations on the host
+(:func:`permute_k`).
+
+Weight layouts (:data:`WEIGHT_LAYOUTS`, made once by :func:`prepare_nvfp4_mosaic`): the
+checkpoint's own, or with the bits moved within each word ("relaid", fewer decode ops), or
+relaid and stored as contiguous CTA tiles ("tiled"). Measured on H200, LM head [248320, 5120]:
+M=1 243 us tiled / 242 relaid / 266 checkpoint (XLA BF16 GEMV 664 us, Triton NVFP4 359 us);
+M=2..8 ~245 us tiled. The kernel alone takes 229 us and the same with the decode arithmetic
+removed also 229 us: the decode is hidden and the limit is the data movement (~3.1 TB/s); the
+other ~14 us are the activation preparation and the output transpose around the kernel.
 
 Shapes:
   x:        bf16[M, K]            activations, 1 <= M <= 32
@@ -27,14 +34,15 @@ Shapes:
 
 Layout requirements: the TMA copies need 16-byte aligned rows, so K must be a multiple of 256
 (``scale`` rows of K/16 bytes), and the swizzled copy of the codes moves whole 8-row tiles, so N
-must be a multiple of 8. :func:`prepare_nvfp4_mosaic` pads other weights once (a one-time layout
-decision, like any checkpoint conversion; pass ``n=`` the original N to drop the padded rows).
-N need not be a multiple of the tile: TMA zero-fills the rows past N.
+must be a multiple of 8 ("tiled": multiples of the tile). :func:`prepare_nvfp4_mosaic` pads
+other weights once (pass ``n=`` the original N to drop the padded rows). N need not be a
+multiple of block_n for the untiled layouts: TMA zero-fills the rows past N.
 
 Interpret mode (``interpret=True``, CPU): Mosaic GPU's interpreter cannot run inline Mosaic code
-nor take a register ``wgmma`` operand, so the kernel decodes with the same shift table in
+nor take a register ``wgmma`` operand, so the kernel decodes with the same shift/mask table in
 ``jnp`` (:func:`decode_tile`), stages the tile in shared memory and runs the same ``wgmma`` and
-pipeline; only the register-level decode differs, and the CUDA lowering is checked separately.
+pipeline; only the register-level decode differs. The tests replay that decode thread by
+thread in numpy and lower the kernel for CUDA on the CPU.
 """
 
 from __future__ import annotations
@@ -58,12 +66,44 @@ N_ALIGN = 8
 #: Logical K columns per ``wgmma`` call (one 128-byte swizzle row of float16).
 _CHUNK = 64
 
-# (magnitude shift, sign shift) for the four float16 pairs decoded from one 32-bit word; a
-# positive shift is to the left. Pair i holds (lo b0, lo b2), (hi b0, hi b2), (lo b1, lo b3),
-# (hi b1, hi b3): the index bits land on 9..11 / 25..27 and the sign bit on 15 / 31.
-_PAIR_SHIFTS = ((9, 12), (5, 8), (1, 4), (-3, 0))
-_MAG_MASK = 0x0E000E00
-_SIGN_MASK = 0x80008000
+_IDX = 0x0E000E00  # index bits of a float16 pair (9..11 and 25..27)
+_SIGN = 0x80008000  # sign bits of a float16 pair (15 and 31)
+
+#: Per weight layout, per float16 pair i of a 32-bit word: the (shift, mask) terms OR-ed into
+#: it (a positive shift is to the left). Pair i holds elements 8q + i (low half) and 8q + i + 4
+#: (high half) of the word's 8 K elements, in every layout.
+#:
+#: "checkpoint": the packed bytes as stored (element 2j = low nibble of byte j), so pair i is
+#: (lo b0, lo b2), (hi b0, hi b2), (lo b1, lo b3), (hi b1, hi b3); every pair needs a shift for
+#: its index bits and another for its sign bit: 15 integer ops per word.
+#:
+#: "relaid" (:func:`relayout_words`, applied once by ``prepare_nvfp4_mosaic``): the bits of each
+#: word are moved so that two pairs are one AND (pair 0 sits in place) or one shift and one AND
+#: away, and the other two need two shifts: 11 integer ops per word. In each 16-bit half, pair 0
+#: has its index bits on 9..11 and sign on 15, pair 1 on 0..2 / 6, pair 2 on 3..5 / 7 and pair 3
+#: on 12..14 / 8 (no 16-bit tiling by four copies of the float16 pattern exists).
+_DECODE_TERMS = {
+    "checkpoint": (
+        ((9, _IDX), (12, _SIGN)),
+        ((5, _IDX), (8, _SIGN)),
+        ((1, _IDX), (4, _SIGN)),
+        ((-3, _IDX), (0, _SIGN)),
+    ),
+    "relaid": (
+        ((0, _IDX | _SIGN),),
+        ((9, _IDX | _SIGN),),
+        ((6, _IDX), (8, _SIGN)),
+        ((-3, _IDX), (7, _SIGN)),
+    ),
+}
+_DECODE_TERMS["tiled"] = _DECODE_TERMS["relaid"]
+#: Where the "relaid" layout keeps (index bit 0, sign bit) of pair i in each 16-bit half.
+_RELAID_POS = ((9, 15), (0, 6), (3, 7), (12, 8))
+#: "checkpoint": codes as stored, [N, K/2]. "relaid": bits moved within each word, [N, K/2].
+#: "tiled": relaid bits, and every [block_n, block_k] tile of a CTA step stored contiguously,
+#: [N/block_n, K/block_k, block_n, block_k/2] (scales likewise), so each TMA copy streams one
+#: contiguous block of HBM instead of block_n row segments.
+WEIGHT_LAYOUTS = ("checkpoint", "relaid", "tiled")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,13 +113,15 @@ class MosaicGemvConfig:
     Attributes:
       block_n: weight rows per CTA (one warpgroup; a multiple of 64, at most 256).
       block_k: K elements per pipeline step (a multiple of 256, at most 2048).
-      stages: pipeline depth, TMA copies in flight per CTA (at least 2: the activation tile
-        of the last ``wgmma`` of a step is released one step late).
+      stages: pipeline depth: steps whose TMA copies are in flight per CTA (at least 2; one
+        stage would not overlap the copies with the decode). On H200 more CTAs per SM beat
+        deeper pipelines: at M=1, 64 x 512 x 2 (52 KB of shared memory, 4 CTAs per SM) was
+        4-13% faster than 3 or 4 stages or 128-row CTAs (128 rows tied at M=2 and 4).
     """
 
-    block_n: int = 128
+    block_n: int = 64
     block_k: int = 512
-    stages: int = 4
+    stages: int = 2
 
     def __post_init__(self):
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
@@ -93,11 +135,10 @@ class MosaicGemvConfig:
 
 
 def default_config(m: int, n: int, k: int) -> MosaicGemvConfig:
-    """Heuristic tiles: 128 rows per CTA unless N is small, the largest block_k dividing K."""
-    del m
-    block_n = 128 if n >= 128 * 132 else 64
-    block_k = next(bk for bk in (512, 256) if bk <= max(k, K_ALIGN))
-    return MosaicGemvConfig(block_n=block_n, block_k=block_k, stages=4)
+    """64-row CTAs with little shared memory, so several share an SM (best measured M=1..8)."""
+    del m, n
+    block_k = 512 if k >= 512 else K_ALIGN
+    return MosaicGemvConfig(block_n=64, block_k=block_k, stages=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,23 +146,67 @@ def default_config(m: int, n: int, k: int) -> MosaicGemvConfig:
 # ---------------------------------------------------------------------------------------------
 
 
-def prepare_nvfp4_mosaic(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Pad a weight once to the kernel's layout: N to a multiple of 8, K to one of :data:`K_ALIGN`.
+def relayout_words(packed: jax.Array) -> jax.Array:
+    """uint8[N, K/2] checkpoint codes -> the same bytes in the "relaid" bit layout.
 
-    The padding is zero codes and zero scales, so padded rows and columns decode to zero; call
-    :func:`nvfp4_gemv_mosaic` with ``n=`` the original N to drop the padded output rows (x is
-    zero-padded to the weight's K on every call, which is cheap). A no-op on aligned weights,
-    e.g. every Qwen3.5/3.6 projection and the 248320-row LM head.
-
-    Returns:
-      (packed uint8[Np, Kp/2], scale float8_e4m3fn[Np, Kp/16]).
+    Each 32-bit word (4 bytes, 8 K elements ``e_t``, t = 2 * byte + nibble) keeps its elements;
+    element t moves to pair ``t % 4`` of half ``t // 4`` at the bit positions ``_RELAID_POS``.
     """
     n, kh = packed.shape
-    np_, kp = C.round_up(n, N_ALIGN), C.round_up(kh * 2, K_ALIGN)
-    if (np_, kp) == (n, kh * 2):
-        return packed, scale
-    packed = jnp.pad(packed, ((0, np_ - n), (0, kp // 2 - kh)))
-    scale = jnp.pad(scale, ((0, np_ - n), (0, kp // 16 - scale.shape[1])))
+    w = jax.lax.bitcast_convert_type(packed.reshape(n, kh // 4, 4), jnp.uint32)
+    out = jnp.zeros_like(w)
+    for t in range(8):
+        nib = (w >> (4 * t)) & 0xF
+        idx_pos, sign_pos = _RELAID_POS[t % 4]
+        base = 16 * (t // 4)
+        out = out | ((nib & 7) << (base + idx_pos)) | ((nib >> 3) << (base + sign_pos))
+    return jax.lax.bitcast_convert_type(out, jnp.uint8).reshape(n, kh)
+
+
+def prepare_nvfp4_mosaic(
+    packed: jax.Array,
+    scale: jax.Array,
+    *,
+    layout: str = "checkpoint",
+    block_n: int = 64,
+    block_k: int = 512,
+) -> tuple[jax.Array, jax.Array]:
+    """Convert a weight once to the kernel's layout (a checkpoint-conversion step).
+
+    Pads N and K with zero codes and zero scales (padded rows and columns decode to zero; call
+    :func:`nvfp4_gemv_mosaic` with ``n=`` the original N to drop the padded output rows; x is
+    zero-padded to the weight's K on every call, which is cheap): to multiples of 8 and
+    :data:`K_ALIGN`, or of ``block_n`` and ``block_k`` for ``layout="tiled"``. "relaid" and
+    "tiled" move the code bits within each 32-bit word (:func:`relayout_words`); "tiled" also
+    stores each CTA step's tile contiguously (see :data:`WEIGHT_LAYOUTS`) and fixes the kernel's
+    block_n and block_k to those given here. Pass the same ``layout`` to
+    :func:`nvfp4_gemv_mosaic`. The padding is a no-op for every Qwen3.5/3.6 projection and the
+    248320-row LM head.
+
+    Returns:
+      "checkpoint"/"relaid": (packed uint8[Np, Kp/2], scale float8_e4m3fn[Np, Kp/16]);
+      "tiled": (uint8[Np/bn, Kp/bk, bn, bk/2], float8_e4m3fn[Np/bn, Kp/bk, bn, bk/16]).
+    """
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
+    tiled = layout == "tiled"
+    if tiled:  # validates the tile
+        MosaicGemvConfig(block_n=block_n, block_k=block_k)
+    n, kh = packed.shape
+    n_align, k_align = (block_n, block_k) if tiled else (N_ALIGN, K_ALIGN)
+    np_, kp = C.round_up(n, n_align), C.round_up(kh * 2, k_align)
+    if (np_, kp) != (n, kh * 2):
+        packed = jnp.pad(packed, ((0, np_ - n), (0, kp // 2 - kh)))
+        scale = jnp.pad(scale, ((0, np_ - n), (0, kp // 16 - scale.shape[1])))
+    if layout != "checkpoint":
+        packed = relayout_words(packed)
+    if tiled:
+
+        def tile(a, width):
+            a = a.reshape(np_ // block_n, block_n, kp // block_k, width)
+            return a.transpose(0, 2, 1, 3)
+
+        packed, scale = tile(packed, block_k // 2), tile(scale, block_k // 16)
     return packed, scale
 
 
@@ -143,11 +228,11 @@ def _shift(w, s: int):
     return (w << s) if s >= 0 else (w >> -s)
 
 
-def decode_tile(codes: jax.Array, scale_u8: jax.Array) -> jax.Array:
+def decode_tile(codes: jax.Array, scale_u8: jax.Array, *, layout: str = "checkpoint") -> jax.Array:
     """Decode a tile the way the kernel's registers hold it, in plain ``jnp``.
 
     Args:
-      codes: uint8[R, B] packed bytes (B a multiple of 16).
+      codes: uint8[R, B] packed bytes in weight layout ``layout`` (B a multiple of 16).
       scale_u8: uint8[R, B/8] E4M3 block scales as bytes.
 
     Returns:
@@ -156,9 +241,11 @@ def decode_tile(codes: jax.Array, scale_u8: jax.Array) -> jax.Array:
     r, b = codes.shape
     w = jax.lax.bitcast_convert_type(codes.reshape(r, b // 4, 4), jnp.uint32)  # [R, W]
     pairs = []
-    mag_mask, sign_mask = jnp.uint32(_MAG_MASK), jnp.uint32(_SIGN_MASK)
-    for mag, sign in _PAIR_SHIFTS:
-        pairs.append((_shift(w, mag) & mag_mask) | (_shift(w, sign) & sign_mask))
+    for terms in _DECODE_TERMS[layout]:
+        bits = jnp.zeros_like(w)
+        for shift, mask in terms:
+            bits = bits | (_shift(w, shift) & jnp.uint32(mask))
+        pairs.append(bits)
     h = jax.lax.bitcast_convert_type(jnp.stack(pairs, axis=-1), jnp.float16)  # [R, W, 4i, 2e]
     s = C.from_u8_e4m3(scale_u8, jnp.float16)  # [R, B/8]; word W lies in scale group W // 2
     h = h * jnp.repeat(s, 2, axis=1)[:, :, None, None]
@@ -191,7 +278,7 @@ def _chunk_plan(block_n: int, half_k: int, chunk: int):
     ``16j + 4q + [0, 4)`` of a row per register; the operand (float16[block_n, 64],
     ``WGMMA_LAYOUT``) wants columns ``8t + 2q + [0, 2)`` of the same row per register, so the
     code register at byte block j feeds operand tiles ``t = 4j' + i`` (j' = j within the chunk)
-    with pair i of ``_PAIR_SHIFTS``. Both layouts give a thread the same rows (16 * warp +
+    with pair i of ``_DECODE_TERMS``. Both layouts give a thread the same rows (16 * warp +
     lane // 4, + 8) and the same q = lane % 4; the tests check this thread by thread.
 
     Returns:
@@ -211,12 +298,13 @@ def _chunk_plan(block_n: int, half_k: int, chunk: int):
     return plan
 
 
-def _decode_chunk_gpu(codes, scale_smem, *, chunk: int, block_n: int):
+def _decode_chunk_gpu(codes, scale_smem, *, chunk: int, block_n: int, layout: str, skip: bool):
     """float16[block_n, 64] ``WGMMA_LAYOUT`` operand for logical K chunk ``chunk`` of a step.
 
     ``codes`` is the step's uint8[block_n, block_k/2] tile in ``WGMMA_LAYOUT_8BIT`` (each
     register: 4 consecutive bytes of one row); ``scale_smem`` the step's uint8[block_n,
-    block_k/16] scale tile in shared memory.
+    block_k/16] scale tile in shared memory. ``skip`` (a timing diagnostic, wrong results)
+    replaces the decode by a bitcast.
     """
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref
@@ -259,12 +347,18 @@ def _decode_chunk_gpu(codes, scale_smem, *, chunk: int, block_n: int):
                 mgpu_utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;", sb, result_types=i32), f16x2
             )
             for out_idx, i in slots:
-                mag, sign = _PAIR_SHIFTS[i]
-                mag_v = arith.shli(w, c(mag, i32)) if mag > 0 else arith.shrui(w, c(-mag, i32))
-                sign_v = arith.shli(w, c(sign, i32)) if sign else w
-                bits = arith.ori(
-                    arith.andi(mag_v, c(_MAG_MASK, i32)), arith.andi(sign_v, c(_SIGN_MASK, i32))
-                )
+                if skip:
+                    out_regs[out_idx] = mgpu_utils.bitcast(w, f16x2)
+                    continue
+                bits = None
+                for shift, mask in _DECODE_TERMS[layout][i]:
+                    v = w
+                    if shift > 0:
+                        v = arith.shli(w, c(shift, i32))
+                    elif shift < 0:
+                        v = arith.shrui(w, c(-shift, i32))
+                    v = arith.andi(v, c(mask, i32))
+                    bits = v if bits is None else arith.ori(bits, v)
                 out_regs[out_idx] = arith.mulf(mgpu_utils.bitcast(bits, f16x2), s2)
         if any(v is None for v in out_regs.flat):
             raise AssertionError("decode plan left operand registers unset")
@@ -282,8 +376,20 @@ def _swizzled(bits: int) -> tuple:
     return (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
 
 
-def _build_kernel(m_pad: int, n: int, k: int, cfg: MosaicGemvConfig, interpret: bool):
-    bn, bk, kh = cfg.block_n, cfg.block_k, k // 2
+def _build_kernel(
+    m_pad: int,
+    n: int,
+    k: int,
+    cfg: MosaicGemvConfig,
+    interpret: bool,
+    layout: str = "checkpoint",
+    *,
+    skip_decode: bool = False,
+):
+    """x float16[m_pad, K] (permuted), codes uint8[N, K/2], scales uint8[N, K/16] (4-D tiles
+    for "tiled") -> f32[cdiv(N, block_n) * block_n, m_pad] (unscaled, transposed).
+    ``skip_decode`` is a timing diagnostic (GPU only, wrong results)."""
+    bn, bk = cfg.block_n, cfg.block_k
     n_blocks = C.cdiv(n, bn)
     k_steps = C.cdiv(k, bk)
     chunks = bk // _CHUNK
@@ -294,16 +400,18 @@ def _build_kernel(m_pad: int, n: int, k: int, cfg: MosaicGemvConfig, interpret: 
         def step_gpu(acc_ref, p_smem, s_smem, x_smem):
             codes = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA_8BIT)
             for c in range(chunks):
-                a = _decode_chunk_gpu(codes, s_smem, chunk=c, block_n=bn)
+                a = _decode_chunk_gpu(
+                    codes, s_smem, chunk=c, block_n=bn, layout=layout, skip=skip_decode
+                )
                 plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(c * _CHUNK, _CHUNK)].T)
                 plgpu.wgmma_wait(1)
 
         def step_interpret(acc_ref, p_smem, s_smem, x_smem, a_smem):
-            a_smem[...] = decode_tile(p_smem[...], s_smem[...])
+            a_smem[...] = decode_tile(p_smem[...], s_smem[...], layout=layout)
             for c in range(chunks):
                 cols = pl.ds(c * _CHUNK, _CHUNK)
                 plgpu.wgmma(acc_ref, a_smem.at[:, cols], x_smem.at[:, cols].T)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(1)
 
         def run(acc_ref, *scratch):
             def pipeline_body(_, p_smem, s_smem, x_smem):
@@ -311,22 +419,33 @@ def _build_kernel(m_pad: int, n: int, k: int, cfg: MosaicGemvConfig, interpret: 
                     step_interpret(acc_ref, p_smem, s_smem, x_smem, *scratch)
                 else:
                     step_gpu(acc_ref, p_smem, s_smem, x_smem)
+                # The last wgmma reads x_smem: finish it before the pipeline refills the slot
+                # (cheaper in shared memory than releasing every slot one step late).
+                plgpu.wgmma_wait(0)
 
+            if layout == "tiled":  # one contiguous [bn, bk] tile per step
+                w_specs = [
+                    plgpu.BlockSpec(
+                        (None, None, bn, bk // 2),
+                        lambda ki: (ni, ki, 0, 0),
+                        transforms=_swizzled(8),
+                    ),
+                    plgpu.BlockSpec((None, None, bn, bk // 16), lambda ki: (ni, ki, 0, 0)),
+                ]
+            else:
+                w_specs = [
+                    plgpu.BlockSpec((bn, bk // 2), lambda ki: (ni, ki), transforms=_swizzled(8)),
+                    plgpu.BlockSpec((bn, bk // 16), lambda ki: (ni, ki)),
+                ]
             plgpu.emit_pipeline(
                 pipeline_body,
                 grid=(k_steps,),
                 in_specs=[
-                    plgpu.BlockSpec(
-                        (bn, bk // 2), lambda ki: (ni, ki), transforms=_swizzled(8), delay_release=1
-                    ),
-                    plgpu.BlockSpec((bn, bk // 16), lambda ki: (ni, ki), delay_release=1),
-                    plgpu.BlockSpec(
-                        (m_pad, bk), lambda ki: (0, ki), transforms=_swizzled(16), delay_release=1
-                    ),
+                    *w_specs,
+                    plgpu.BlockSpec((m_pad, bk), lambda ki: (0, ki), transforms=_swizzled(16)),
                 ],
                 max_concurrent_steps=cfg.stages,
             )(packed_gmem, scale_gmem, x_gmem)
-            plgpu.wgmma_wait(0)
             return acc_ref[...]
 
         def with_scratch(*scratch):
@@ -338,7 +457,6 @@ def _build_kernel(m_pad: int, n: int, k: int, cfg: MosaicGemvConfig, interpret: 
         else:
             with_scratch()
 
-    del kh
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n_blocks * bn, m_pad), jnp.float32),
@@ -354,7 +472,7 @@ def _build_kernel(m_pad: int, n: int, k: int, cfg: MosaicGemvConfig, interpret: 
 # ---------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("n", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("n", "layout", "config", "interpret"))
 def nvfp4_gemv_mosaic(
     x: jax.Array,
     packed: jax.Array,
@@ -362,6 +480,7 @@ def nvfp4_gemv_mosaic(
     scale_2: jax.Array,
     *,
     n: int | None = None,
+    layout: str = "checkpoint",
     config: MosaicGemvConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -369,39 +488,62 @@ def nvfp4_gemv_mosaic(
 
     Args:
       x: bf16[M, K] activations, 1 <= M <= 32, K a multiple of 16.
-      packed: uint8[Nw, Kw/2], Nw a multiple of 8 and Kw of 256 with K <= Kw < K + 256 (see
-        :func:`prepare_nvfp4_mosaic`); columns past K must decode to zero (they do after it).
-      scale: float8_e4m3fn[Nw, Kw/16].
+      packed: uint8[Nw, Kw/2], Nw a multiple of 8 and Kw of 256 with K <= Kw < K + 256, or
+        for "tiled" uint8[Nw/bn, Kw/bk, bn, bk/2] (see :func:`prepare_nvfp4_mosaic`); columns
+        past K must decode to zero (they do after it).
+      scale: float8_e4m3fn[Nw, Kw/16] (tiled: [Nw/bn, Kw/bk, bn, bk/16]).
       scale_2: f32[] global scale.
       n: output rows to keep (the weight's N before ``prepare`` padded it); default Nw.
-      config: tile sizes (:func:`default_config` when None).
+      layout: the layout of ``packed`` (:data:`WEIGHT_LAYOUTS`): "checkpoint" (as stored), or
+        what ``prepare_nvfp4_mosaic(..., layout=...)`` made.
+      config: tile sizes (:func:`default_config` when None; for "tiled" the weight's tile).
       interpret: run Mosaic GPU's CPU interpreter (slow; tests only).
 
     Returns:
       f32[M, n].
     """
-    nw, kh = packed.shape
-    kw = kh * 2
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
     if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
         raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
     m, k = x.shape
-    if kw % K_ALIGN or nw % N_ALIGN:
-        raise ValueError(
-            f"packed must be [N, K/2] with N % {N_ALIGN} == 0 and K % {K_ALIGN} == 0, got "
-            f"N={nw}, K={kw}; pad the weight once with prepare_nvfp4_mosaic"
-        )
-    if k % 16 or not k <= kw < k + K_ALIGN:
+    if layout == "tiled":
+        if packed.ndim != 4:
+            raise ValueError(f"tiled codes must be 4-D, got {packed.shape}; see prepare")
+        nt, kt, tile_n, tile_kh = packed.shape
+        nw, kw = nt * tile_n, kt * tile_kh * 2
+        if config is None:
+            config = MosaicGemvConfig(block_n=tile_n, block_k=tile_kh * 2, stages=2)
+        if (config.block_n, config.block_k) != (tile_n, tile_kh * 2):
+            raise ValueError(
+                f"config tile {config.block_n}x{config.block_k} must match the weight's "
+                f"{tile_n}x{tile_kh * 2} tiles"
+            )
+        want_scale = (nt, kt, tile_n, tile_kh // 8)
+        k_align = tile_kh * 2
+    else:
+        nw, kh = packed.shape
+        kw = kh * 2
+        want_scale = (nw, kw // 16)
+        k_align = K_ALIGN
+        if kw % K_ALIGN or nw % N_ALIGN:
+            raise ValueError(
+                f"packed must be [N, K/2] with N % {N_ALIGN} == 0 and K % {K_ALIGN} == 0, got "
+                f"N={nw}, K={kw}; pad the weight once with prepare_nvfp4_mosaic"
+            )
+    if k % 16 or not k <= kw < k + k_align:
         raise ValueError(f"x K={k} must be a multiple of 16 and match the weight's K={kw}")
-    if scale.shape != (nw, kw // 16):
-        raise ValueError(f"scale must be [{nw}, {kw // 16}], got {scale.shape}")
+    if scale.shape != want_scale:
+        raise ValueError(f"scale must be {list(want_scale)}, got {scale.shape}")
     n = nw if n is None else n
-    if not nw - N_ALIGN < n <= nw:
-        raise ValueError(f"n={n} must be in ({nw - N_ALIGN}, {nw}] for a weight of {nw} rows")
+    n_align = config.block_n if layout == "tiled" else N_ALIGN
+    if not nw - n_align < n <= nw:
+        raise ValueError(f"n={n} must be in ({nw - n_align}, {nw}] for a weight of {nw} rows")
     cfg = config or default_config(m, nw, kw)
     m_pad = C.round_up(m, 8)
     x16, xinv = C.to_f16_rowscaled(x, m_pad)  # float16[m_pad, K], f32[M]
     x16 = permute_k(jnp.pad(x16, ((0, 0), (0, kw - k))))
-    kernel = _build_kernel(m_pad, nw, kw, cfg, interpret)
+    kernel = _build_kernel(m_pad, nw, kw, cfg, interpret, layout)
     out_t = kernel(x16, packed, C.as_u8(scale))  # f32[cdiv(Nw, block_n) * block_n, m_pad]
     gscale = jnp.asarray(scale_2, jnp.float32) * C.E2M1_F16_UNBIAS
     return (out_t[:n, :m] * (xinv * gscale)[None, :]).T
