@@ -1597,7 +1597,7 @@ def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
     heads = list(dict.fromkeys(r["head"] for r in rows))
     if not heads:
         return
-    fig, axes = plt.subplots(1, len(heads), figsize=(6.5 * len(heads), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(heads), figsize=(6.0 * len(heads) + 2.6, 4.8), squeeze=False)
     colors = dict(zip(PRECISIONS, ("tab:blue", "tab:orange", "tab:green"), strict=True))
     for ax, h in zip(axes[0], heads, strict=True):
         for prec, color in colors.items():
@@ -1616,6 +1616,20 @@ def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
                 color=color,
                 label=f"{prec} roofline",
             )
+            piped = [
+                (r["batch"], r["pipelined_per_draft_us"])
+                for r in pts
+                if "pipelined_per_draft_us" in r
+            ]
+            if piped:
+                ax.plot(
+                    *zip(*piped, strict=True),
+                    "^-.",
+                    color=color,
+                    ms=4,
+                    alpha=0.6,
+                    label=f"{prec} back to back",
+                )
             xs = [(r["batch"], r["xla_per_draft_us"]) for r in pts if "xla_per_draft_us" in r]
             if xs:
                 ax.plot(
@@ -1653,7 +1667,20 @@ def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
         ax.set_ylabel("propose latency per draft (µs)")
         ax.set_title(f"{h} head, K={k}, context {context}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    # One legend for all panels, outside them: the series are the same in each.
+    handles, labels = {}, []
+    for ax in axes[0]:
+        for hnd, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in handles:
+                handles[lab] = hnd
+                labels.append(lab)
+    axes[0][-1].legend(
+        [handles[lab] for lab in labels],
+        labels,
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -1726,6 +1753,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-torch", action="store_true", help="no PyTorch baseline or check")
     p.add_argument("--torch-compile", action="store_true", help="also time torch.compile")
     p.add_argument("--skip-two-gpu", action="store_true", help="no two-device section")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: print the table of these result files together and write their "
+        "plot (--plot, default the first file's .png)",
+    )
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
@@ -1741,12 +1777,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.compile_workers is None:
         args.compile_workers = min(8, os.cpu_count() or 1) if on_gpu() else 1
     if args.plot is None:
-        args.plot = args.json.with_suffix(".png")
+        args.plot = (args.merge[0] if args.merge else args.json).with_suffix(".png")
     return args
+
+
+def merge(paths: list[Path], plot_path: Path, *, k: int, context: int) -> list[dict]:
+    """Records of several result files (e.g. a block re-run apart) as one table and plot."""
+    records = []
+    for path in paths:
+        try:
+            records += json.loads(path.read_text())["records"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"{path}: not a bench_propose result file ({e})") from None
+    plot(records, plot_path, k=k, context=context)
+    print(table(records))
+    print(f"wrote {plot_path} from {len(paths)} files")
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        merge(args.merge, args.plot, k=center(args.ks), context=args.context)
+        return 0
     if args.compile_cache is not None:
         args.compile_cache.mkdir(parents=True, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))

@@ -135,9 +135,12 @@ def test_smoke_run(tmp_path):
             "kv_bytes",
             "roofline_us",
             "roofline_ratio",
+            "pipelined_us",
+            "pipelined_roofline_ratio",
         ):
             assert r[field] > 0, field
         assert r["per_draft_us"] == pytest.approx(r["time_us"] / r["k"])
+        assert r["pipelined_roofline_ratio"] == pytest.approx(r["pipelined_us"] / r["roofline_us"])
         assert r["bytes"] == r["weight_bytes"] + r["kv_bytes"]
         assert r["weight_bytes"] == r["k"] * (
             r["drafter_bytes_per_draft"] + r["head_bytes_per_draft"]
@@ -184,6 +187,13 @@ def test_smoke_run(tmp_path):
     else:
         assert not kinds["torch_check"]
         assert any("PyTorch" in n for n in run["notes"])
+
+    # --merge: the same file twice is one table and plot over twice the records.
+    merged_png = tmp_path / "merged.png"
+    merged = bp.merge([out, out], merged_png, k=2, context=40)
+    assert len(merged) == 2 * len(records) and merged_png.stat().st_size > 0
+    with pytest.raises(SystemExit, match="not a bench_propose result"):
+        bp.merge([tmp_path / "propose.png"], merged_png, k=2, context=40)
 
     if jax.device_count() >= 2:
         heads = [r for r in records if r["kind"] == "sharded_lm_head"]
