@@ -878,6 +878,35 @@ def _summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_section_child(
+    script: str, section: str, out_path: str, deadline: float, extra: list[str], *, grace: float
+) -> tuple[int, str, str, list[dict]]:
+    """Runs ``script --child section --out out_path --deadline deadline *extra`` in a fresh
+    process, so a kernel that faults cannot take the others down. Returns (returncode, stdout,
+    stderr, the JSON-lines records it wrote); the return code is -9 when the child outlives
+    ``deadline + grace`` seconds."""
+    cmd = [sys.executable, os.path.abspath(script), "--child", section, "--out", out_path]
+    cmd += ["--deadline", str(deadline), *extra]
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        proc = subprocess.run(
+            cmd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=max(30.0, deadline - time.time() + grace),
+        )
+        rc, out, err = proc.returncode, proc.stdout or "", proc.stderr or ""
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = -9, "", f"timeout: {str(e.stderr or '')[-2000:]}"
+    records = []
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    return rc, out, err, records
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=False, default=None, help="write all records here")
@@ -924,41 +953,17 @@ def main(argv=None):
             weight = {"gemv_nvfp4": 1.6, "verify": 1.6, "baseline": 0.7}.get(sec, 1.0)
             deadline = time.time() + min(remaining - 5, share * weight)
             path = os.path.join(tmp, f"{sec}.jsonl")
-            cmd = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--child",
-                sec,
-                "--out",
-                path,
-                "--deadline",
-                str(deadline),
-                "--focus",
-                args.focus,
-                "--shapes",
-                args.shapes,
-            ]
-            if args.smoke:
-                cmd.append("--smoke")
-            env = dict(os.environ)
-            env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-            proc = subprocess.run(
-                cmd,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=max(30.0, deadline - time.time() + 60),
+            extra = ["--focus", args.focus, "--shapes", args.shapes] + (
+                ["--smoke"] if args.smoke else []
             )
-            if os.path.exists(path):
-                with open(path) as f:
-                    recs = [json.loads(line) for line in f if line.strip()]
-                records.extend(recs)
-            if proc.returncode != 0:
+            rc, _, err, recs = run_section_child(__file__, sec, path, deadline, extra, grace=60)
+            records.extend(recs)
+            if rc != 0:
                 records.append(
                     dict(
                         kernel="_section_error",
                         section=sec,
-                        error=(proc.stderr or "")[-2000:],
+                        error=err[-2000:],
                         rows=0,
                         n=0,
                         k=0,
@@ -966,8 +971,7 @@ def main(argv=None):
                     )
                 )
             bar.write(
-                f"{sec}: rc={proc.returncode}, {len(records)} records so far, "
-                f"{time.time() - start:.0f}s elapsed"
+                f"{sec}: rc={rc}, {len(records)} records so far, {time.time() - start:.0f}s elapsed"
             )
     records = _derive(records)
     if args.json:

@@ -25,7 +25,6 @@ import functools
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -381,43 +380,19 @@ def main(argv=None):
                 sec_end = start + args.budget_s
             for attempt in range(3):
                 path = os.path.join(tmp, f"{sec}_{attempt}.jsonl")
-                cmd = [
-                    sys.executable,
-                    os.path.abspath(__file__),
-                    "--child",
-                    sec,
-                    "--out",
-                    path,
-                    "--deadline",
-                    str(sec_end),
-                    "--skip",
-                    ",".join(skip),
-                ]
-                cmd += ["--smoke"] if args.smoke else []
-                cmd += ["--quick"] if args.quick else []
-                cmd += ["--sweep"] if args.sweep else []
-                env = dict(os.environ)
-                env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+                extra = ["--skip", ",".join(skip)]
+                extra += ["--smoke"] if args.smoke else []
+                extra += ["--quick"] if args.quick else []
+                extra += ["--sweep"] if args.sweep else []
                 t0 = time.time()
-                try:
-                    proc = subprocess.run(
-                        cmd,
-                        env=env,
-                        capture_output=True,
-                        text=True,
-                        timeout=max(30.0, sec_end - time.time() + 30),
-                    )
-                    rc, tail = proc.returncode, (proc.stderr or "")[-3000:]
-                except subprocess.TimeoutExpired as e:
-                    rc, tail = -9, f"timeout: {str(e.stderr or '')[-2000:]}"
+                rc, out, err, recs = BK.run_section_child(
+                    __file__, sec, path, sec_end, extra, grace=30
+                )
+                tail = err[-3000:]
                 if args.logdir and rc != -9:
                     os.makedirs(args.logdir, exist_ok=True)
                     with open(os.path.join(args.logdir, f"{sec}_{attempt}.log"), "w") as f:
-                        f.write(proc.stdout + "\n---- stderr ----\n" + proc.stderr)
-                recs = []
-                if os.path.exists(path):
-                    with open(path) as f:
-                        recs = [json.loads(line) for line in f if line.strip()]
+                        f.write(out + "\n---- stderr ----\n" + err)
                 records.extend(r for r in recs if r.get("kernel") != "_start")
                 print(
                     f"[{sec} attempt {attempt}] rc={rc} records={len(recs)} {time.time() - t0:.0f}s",
