@@ -1,15 +1,17 @@
-"""NVFP4 GEMV on Hopper tensor cores through the Mosaic GPU Pallas lowering.
+"""NVFP4 and FP8 per-row GEMV (1 to 128 rows) on Hopper tensor cores through Mosaic GPU Pallas.
 
 The Triton NVFP4 GEMV (:func:`pallas_kernels.gemv.nvfp4_gemv`) spends ~5-6 ALU instructions per
 weight element (decode, scale, convert, FMA) and is ALU-bound on H200. Here the multiply-adds go
 to ``wgmma``: each warpgroup decodes a ``[block_n, 64]`` float16 weight tile into registers, the
 *left* operand of ``wgmma.m64nNk16`` (weight rows are the MMA's M), and the activations sit in
-shared memory as the right operand (rows padded to a multiple of 8, the MMA's N). What is left
-on the ALUs per 8 weight elements is one 32-bit shared load, a scale byte load + ``cvt``, four
-``f16x2`` multiplies and 11 (``layout="relaid"``/"tiled") or 15 ("checkpoint") shift/mask ops.
+shared memory as the right operand (rows padded to a multiple of 8, the MMA's N, at most 256;
+:data:`MAX_ROWS` = 128). What is left on the ALUs per 8 NVFP4 weight elements is one 32-bit
+shared load, a scale byte load + ``cvt``, four ``f16x2`` multiplies and 11
+(``layout="relaid"``/"tiled") or 15 ("checkpoint") shift/mask ops; per 4 FP8 elements, one
+32-bit shared load and two ``cvt.rn.f16x2.e4m3x2``.
 
-Decode (per thread, per 32-bit word ``w`` = four packed bytes of one weight row, the register
-the ``WGMMA_LAYOUT_8BIT`` load gives): a nibble ``s i2 i1 i0`` placed as float16 bits
+NVFP4 decode (per thread, per 32-bit word ``w`` = four packed bytes of one weight row, the
+register the ``WGMMA_LAYOUT_8BIT`` load gives): a nibble ``s i2 i1 i0`` placed as float16 bits
 ``s << 15 | i << 9`` is exactly ``e2m1 * 2**-14`` (see :mod:`pallas_kernels._common`), so each
 of the four float16 pairs of a word is a few shifts and masks of ``w`` (``_DECODE_TERMS``),
 multiplied by the block scale in ``f16x2`` (exact), and is already one register of the
@@ -17,32 +19,49 @@ multiplied by the block scale in ``f16x2`` (exact), and is already one register 
 column ``8i + 2q + e`` holds element ``8q + i + 4e``), applied to the activations on the host
 (:func:`permute_k`).
 
-Weight layouts (:data:`WEIGHT_LAYOUTS`, made once by :func:`prepare_nvfp4_mosaic`): the
-checkpoint's own, or with the bits moved within each word ("relaid", fewer decode ops), or
-relaid and stored as contiguous CTA tiles ("tiled"). Measured on H200, LM head [248320, 5120]:
-M=1 243 us tiled / 242 relaid / 266 checkpoint (XLA BF16 GEMV 664 us, Triton NVFP4 359 us);
-M=2..8 ~245 us tiled. The kernel alone takes 229 us and the same with the decode arithmetic
-removed also 229 us: the decode is hidden and the limit is the data movement (~3.1 TB/s); the
-other ~14 us are the activation preparation and the output transpose around the kernel.
+FP8 per-row decode (:func:`fp8_row_gemv_mosaic`): the same word holds four E4M3 elements of one
+row; each byte pair converts exactly to one ``f16x2`` register (E4M3 is exact in float16), so
+inside every 16-element block logical column ``8u + 2q + e`` holds element ``4q + 2u + e``
+(:func:`permute_k` with ``fmt="fp8_row"``). The per-row F32 scale is applied with the activation
+row scale after the kernel, in F32.
+
+Weight layouts (:data:`WEIGHT_LAYOUTS`, NVFP4 only, made once by
+:func:`prepare_nvfp4_mosaic`): the checkpoint's own, or with the bits moved within each word
+("relaid", fewer decode ops), or relaid and stored as contiguous CTA tiles ("tiled"). Measured
+on H200, LM head [248320, 5120]: M=1 243 us tiled / 242 relaid / 266 checkpoint (XLA BF16 GEMV
+664 us, Triton NVFP4 359 us); M=2..8 ~245 us tiled. The kernel alone takes 229 us and the same
+with the decode arithmetic removed also 229 us: the decode is hidden and the limit is the data
+movement (~3.1 TB/s); the other ~14 us are the activation preparation and the output transpose
+around the kernel.
+
+More rows (M > 8, not yet measured on a GPU): the weight is still read once, but every CTA
+streams all of x through shared memory, [m_pad, block_k] float16 per step from L2, so at large M
+the activation traffic outgrows the weight's (at M=96 and 64-row CTAs, 48 KB of x per 9 KB NVFP4
+step) and the MMA work grows with M (~310 us of tensor-core time for the LM head at 96 rows).
+:func:`default_config` therefore widens the CTA to 128 rows where the accumulator
+(``block_n * m_pad / 128`` F32 registers per thread) allows; see there. The output is written
+transposed, f32[N, m_pad], and transposed back with the scales applied by XLA (at M=96 that is
+~95 MB written and moved again; fusing it into the kernel's epilogue is not done yet).
 
 Shapes:
-  x:        bf16[M, K]            activations, 1 <= M <= 32
-  packed:   uint8[N, K/2]         element 2j of a row is the low nibble of byte j
-  scale:    float8_e4m3fn[N, K/16]
-  scale_2:  f32[]
+  x:        bf16[M, K]            activations, 1 <= M <= 128
+  NVFP4:    packed uint8[N, K/2] (element 2j of a row is the low nibble of byte j),
+            scale float8_e4m3fn[N, K/16], scale_2 f32[]
+  FP8:      q float8_e4m3fn[N, K], scale f32[N]
   out:      f32[M, N]
 
-Layout requirements: the TMA copies need 16-byte aligned rows, so K must be a multiple of 256
-(``scale`` rows of K/16 bytes), and the swizzled copy of the codes moves whole 8-row tiles, so N
-must be a multiple of 8 ("tiled": multiples of the tile). :func:`prepare_nvfp4_mosaic` pads
-other weights once (pass ``n=`` the original N to drop the padded rows). N need not be a
-multiple of block_n for the untiled layouts: TMA zero-fills the rows past N.
+Layout requirements: the TMA copies move swizzled 8-row tiles of 128-byte rows, so N must be a
+multiple of 8 and K of 256 for NVFP4 (also 16-byte aligned ``scale`` rows of K/16 bytes) or of
+128 for FP8 (one 128-byte swizzle row). :func:`prepare_nvfp4_mosaic` /
+:func:`prepare_fp8_row_mosaic` pad other weights once (pass ``n=`` the original N to drop the
+padded rows). N need not be a multiple of block_n, nor K of block_k, for the untiled layouts: TMA
+zero-fills the rows and columns past the weight's.
 
 Interpret mode (``interpret=True``, CPU): Mosaic GPU's interpreter cannot run inline Mosaic code
-nor take a register ``wgmma`` operand, so the kernel decodes with the same shift/mask table in
-``jnp`` (:func:`decode_tile`), stages the tile in shared memory and runs the same ``wgmma`` and
-pipeline; only the register-level decode differs. The tests replay that decode thread by
-thread in numpy and lower the kernel for CUDA on the CPU.
+nor take a register ``wgmma`` operand, so the kernel decodes with the same shift/mask table (or
+E4M3 cast) in ``jnp`` (:func:`decode_tile`, :func:`decode_tile_fp8`), stages the tile in shared
+memory and runs the same ``wgmma`` and pipeline; only the register-level decode differs. The
+tests replay that decode thread by thread in numpy and lower the kernel for CUDA on the CPU.
 """
 
 from __future__ import annotations
@@ -58,13 +77,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as C
 
-MAX_ROWS = 32
-#: K granularity of the kernel (16-byte aligned scale rows for TMA).
+#: Most activation rows: the MMA's N (rows padded to a multiple of 8) may reach 256, but the
+#: accumulator takes ``block_n * m_pad / 128`` F32 registers per thread and the activation tile
+#: ``m_pad * block_k * 2`` bytes of shared memory per stage; 128 keeps both in budget.
+MAX_ROWS = 128
+#: K granularity of the NVFP4 kernel (16-byte aligned scale rows for TMA).
 K_ALIGN = 256
+#: K granularity of the FP8 kernel (one 128-byte swizzle row of codes).
+FP8_K_ALIGN = 128
 #: N granularity of the kernel (the swizzled TMA copy of the codes moves 8-row tiles).
 N_ALIGN = 8
 #: Logical K columns per ``wgmma`` call (one 128-byte swizzle row of float16).
 _CHUNK = 64
+#: K elements per code byte, per weight format.
+_ELEMS_PER_BYTE = {"nvfp4": 2, "fp8_row": 1}
 
 _IDX = 0x0E000E00  # index bits of a float16 pair (9..11 and 25..27)
 _SIGN = 0x80008000  # sign bits of a float16 pair (15 and 31)
@@ -108,10 +134,11 @@ WEIGHT_LAYOUTS = ("checkpoint", "relaid", "tiled")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicGemvConfig:
-    """Tile sizes of the Mosaic GPU NVFP4 GEMV.
+    """Tile sizes of the Mosaic GPU NVFP4 and FP8 GEMVs.
 
     Attributes:
-      block_n: weight rows per CTA (one warpgroup; a multiple of 64, at most 256).
+      block_n: weight rows per CTA (one warpgroup; a multiple of 64, at most 256). The
+        accumulator takes ``block_n * m_pad / 128`` F32 registers per thread.
       block_k: K elements per pipeline step (a multiple of 256, at most 2048).
       stages: pipeline depth: steps whose TMA copies are in flight per CTA (at least 2; one
         stage would not overlap the copies with the decode). On H200 more CTAs per SM beat
@@ -134,11 +161,34 @@ class MosaicGemvConfig:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
 
 
-def default_config(m: int, n: int, k: int) -> MosaicGemvConfig:
-    """64-row CTAs with little shared memory, so several share an SM (best measured M=1..8)."""
-    del m, n
-    block_k = 512 if k >= 512 else K_ALIGN
-    return MosaicGemvConfig(block_n=64, block_k=block_k, stages=2)
+def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvConfig:
+    """Tile heuristic per row count (``m_pad = round_up(m, 8)``). Shared memory per CTA is
+    ``stages * (weight tile + m_pad * block_k * 2)`` bytes (the tests read it off the lowering).
+
+    * m_pad == 8 (M = 1..8), measured on H200 for NVFP4: 64-row CTAs, 2 stages and little shared
+      memory, so several CTAs share an SM (NVFP4 64x512: 52 KB, 4 per SM). FP8 takes 64x256: the
+      same 16 KB of codes per step as NVFP4's 64x512, 40 KB, 5 per SM.
+    * 8 < m_pad <= 96 (unmeasured): 128-row CTAs, 256-wide K steps, 2 stages. Each CTA streams
+      all of x through shared memory, so at these M the activation traffic (from L2) outgrows
+      the weight's; 128 rows per CTA halve it against 64. At m_pad > 48 only one CTA fits an SM
+      with either width (NVFP4 M=96: 132 KB at 128 rows, 114 KB at 64), so the wider CTA costs
+      no occupancy, only registers: an accumulator of m_pad F32 registers per thread, 32 for the
+      code tile and 2 x 32 for two decoded operand tiles in flight, ~220 of 255 at M=96.
+    * m_pad > 96 (unmeasured): 64-row CTAs (256-wide steps); 128 rows would need ~250
+      registers per thread and invite spills. NVFP4 M=128: 146 KB.
+
+    ``scripts/bench_mosaic_gemv.py --sections mosaic_rows,mosaic_fp8`` times the alternatives.
+    """
+    del n
+    if fmt not in _ELEMS_PER_BYTE:
+        raise ValueError(f"fmt must be one of {tuple(_ELEMS_PER_BYTE)}, got {fmt!r}")
+    m_pad = C.round_up(m, 8)
+    if m_pad <= 8:
+        block_n, block_k = 64, (512 if fmt == "nvfp4" else 256)
+    else:
+        block_n, block_k = (128 if m_pad <= 96 else 64), 256
+    block_k = block_k if k >= block_k else K_ALIGN
+    return MosaicGemvConfig(block_n=block_n, block_k=block_k, stages=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,18 +260,49 @@ def prepare_nvfp4_mosaic(
     return packed, scale
 
 
-def _k_permutation() -> np.ndarray:
-    """int[32]: logical column L of a 32-element block holds original element ``perm[L]``."""
-    i, q, e = np.meshgrid(np.arange(4), np.arange(4), np.arange(2), indexing="ij")
-    return (8 * q + i + 4 * e).reshape(-1)
+def prepare_fp8_row_mosaic(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Pad an FP8 per-row weight once to the kernel's granularity (a checkpoint-conversion step).
+
+    Pads N to a multiple of :data:`N_ALIGN` and K to one of :data:`FP8_K_ALIGN` with zero codes
+    (and zero row scales); call :func:`fp8_row_gemv_mosaic` with ``n=`` the original N. A no-op
+    for every Qwen3.5/3.6 projection and both LM heads ([248320, 5120], [151936, 2048]).
+
+    Returns:
+      (q float8_e4m3fn[Np, Kp], scale f32[Np]).
+    """
+    n, k = q.shape
+    np_, kp = C.round_up(n, N_ALIGN), C.round_up(k, FP8_K_ALIGN)
+    scale = scale.astype(jnp.float32)
+    if (np_, kp) != (n, k):
+        q = jnp.pad(q, ((0, np_ - n), (0, kp - k)))
+        scale = jnp.pad(scale, (0, np_ - n))
+    return q, scale
 
 
-def permute_k(x: jax.Array) -> jax.Array:
-    """[..., K] -> [..., K] in the kernel's logical K order (K a multiple of 32)."""
+def _k_permutation(fmt: str = "nvfp4") -> np.ndarray:
+    """int[B]: logical column L of a B-element block holds original element ``perm[L]``.
+
+    NVFP4 (B = 32): L = 8i + 2q + e holds 8q + i + 4e. FP8 (B = 16): L = 8u + 2q + e holds
+    4q + 2u + e.
+    """
+    if fmt == "nvfp4":
+        i, q, e = np.meshgrid(np.arange(4), np.arange(4), np.arange(2), indexing="ij")
+        return (8 * q + i + 4 * e).reshape(-1)
+    u, q, e = np.meshgrid(np.arange(2), np.arange(4), np.arange(2), indexing="ij")
+    return (4 * q + 2 * u + e).reshape(-1)
+
+
+def permute_k(x: jax.Array, fmt: str = "nvfp4") -> jax.Array:
+    """[..., K] -> [..., K] in the kernel's logical K order (K a multiple of 32 or 16)."""
     *lead, k = x.shape
-    blocks = x.reshape(*lead, k // 32, 4, 2, 4)  # original element 8q + 4e + i -> [q, e, i]
-    nd = blocks.ndim
-    return jnp.moveaxis(blocks, (nd - 1, nd - 3, nd - 2), (nd - 3, nd - 2, nd - 1)).reshape(x.shape)
+    nd = len(lead) + 4
+    if fmt == "nvfp4":
+        blocks = x.reshape(*lead, k // 32, 4, 2, 4)  # original element 8q + 4e + i -> [q, e, i]
+        order = (nd - 1, nd - 3, nd - 2)  # -> [i, q, e]
+    else:
+        blocks = x.reshape(*lead, k // 16, 4, 2, 2)  # original element 4q + 2u + e -> [q, u, e]
+        order = (nd - 2, nd - 3, nd - 1)  # -> [u, q, e]
+    return jnp.moveaxis(blocks, order, (nd - 3, nd - 2, nd - 1)).reshape(x.shape)
 
 
 def _shift(w, s: int):
@@ -253,6 +334,12 @@ def decode_tile(codes: jax.Array, scale_u8: jax.Array, *, layout: str = "checkpo
     return h.transpose(0, 1, 3, 2, 4).reshape(r, 2 * b)
 
 
+def decode_tile_fp8(codes: jax.Array) -> jax.Array:
+    """uint8[R, B] E4M3 bytes -> float16[R, B] (exact) in the logical K order of
+    ``permute_k(..., "fp8_row")``, the way the kernel's registers hold it."""
+    return permute_k(C.from_u8_e4m3(codes, jnp.float16), "fp8_row")
+
+
 # ---------------------------------------------------------------------------------------------
 # Register-level decode (GPU only).
 # ---------------------------------------------------------------------------------------------
@@ -271,40 +358,47 @@ def _register_origins(layout, shape: tuple[int, int]) -> dict[tuple[int, ...], t
     return out
 
 
-def _chunk_plan(block_n: int, half_k: int, chunk: int):
+def _chunk_plan(block_n: int, tile_bytes: int, chunk: int, fmt: str = "nvfp4"):
     """Which code registers feed which operand registers for logical K chunk ``chunk``.
 
-    The codes (uint8[block_n, half_k], ``WGMMA_LAYOUT_8BIT``) give each thread 4 bytes
+    The codes (uint8[block_n, tile_bytes], ``WGMMA_LAYOUT_8BIT``) give each thread 4 bytes
     ``16j + 4q + [0, 4)`` of a row per register; the operand (float16[block_n, 64],
-    ``WGMMA_LAYOUT``) wants columns ``8t + 2q + [0, 2)`` of the same row per register, so the
-    code register at byte block j feeds operand tiles ``t = 4j' + i`` (j' = j within the chunk)
-    with pair i of ``_DECODE_TERMS``. Both layouts give a thread the same rows (16 * warp +
-    lane // 4, + 8) and the same q = lane % 4; the tests check this thread by thread.
+    ``WGMMA_LAYOUT``) wants columns ``8t + 2q + [0, 2)`` of the same row per register. A code
+    register holds ``E = 4 * elems_per_byte`` elements, ``E / 2`` float16 pairs, so the register
+    at byte block j (within the chunk) feeds operand tiles ``t = (E / 8) j + i`` with pair i
+    (NVFP4: 4 pairs of ``_DECODE_TERMS``; FP8: byte pairs (0, 1) and (2, 3)). Both layouts give
+    a thread the same rows (16 * warp + lane // 4, + 8) and the same q = lane % 4; the tests
+    check this thread by thread.
 
     Returns:
       [(code register index, ((operand register index, pair i), ...)), ...].
     """
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
+    epb = _ELEMS_PER_BYTE[fmt]
     out_slot = {
         rc: idx for idx, rc in _register_origins(fa.WGMMA_LAYOUT, (block_n, _CHUNK)).items()
     }
-    col0 = chunk * _CHUNK // 2
+    chunk_bytes = _CHUNK // epb
+    col0 = chunk * chunk_bytes
     plan = []
-    for idx, (r0, k0) in _register_origins(fa.WGMMA_LAYOUT_8BIT, (block_n, half_k)).items():
-        if col0 <= k0 < col0 + _CHUNK // 2:
+    for idx, (r0, k0) in _register_origins(fa.WGMMA_LAYOUT_8BIT, (block_n, tile_bytes)).items():
+        if col0 <= k0 < col0 + chunk_bytes:
             j = (k0 - col0) // 16
-            plan.append((idx, tuple((out_slot[(r0, 32 * j + 8 * i)], i) for i in range(4))))
+            slots = tuple((out_slot[(r0, 16 * epb * j + 8 * i)], i) for i in range(2 * epb))
+            plan.append((idx, slots))
     return plan
 
 
-def _decode_chunk_gpu(codes, scale_smem, *, chunk: int, block_n: int, layout: str, skip: bool):
-    """float16[block_n, 64] ``WGMMA_LAYOUT`` operand for logical K chunk ``chunk`` of a step.
+def _decode_chunk_gpu(
+    codes, scale_smem, *, fmt: str, chunk: int, block_n: int, layout: str, skip: bool
+):
+    """float16[block_n, 64] ``WGMMA_LAYOUT`` operand for logical K chunk ``chunk`` of ``codes``.
 
-    ``codes`` is the step's uint8[block_n, block_k/2] tile in ``WGMMA_LAYOUT_8BIT`` (each
-    register: 4 consecutive bytes of one row); ``scale_smem`` the step's uint8[block_n,
-    block_k/16] scale tile in shared memory. ``skip`` (a timing diagnostic, wrong results)
-    replaces the decode by a bitcast.
+    ``codes`` is a uint8[block_n, B] code tile in ``WGMMA_LAYOUT_8BIT`` (each register: 4
+    consecutive bytes of one row); for NVFP4 ``scale_smem`` is the step's uint8[block_n,
+    block_k/16] scale tile in shared memory (FP8: None). ``skip`` (a timing diagnostic, wrong
+    results) replaces the decode by a bitcast.
     """
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref
@@ -312,12 +406,13 @@ def _decode_chunk_gpu(codes, scale_smem, *, chunk: int, block_n: int, layout: st
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     out_shape = (block_n, _CHUNK)
+    nvfp4 = fmt == "nvfp4"
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType()),
+        arg_types=(plgpu.Layout.WGMMA_8BIT, *((plgpu.RefType(),) if nvfp4 else ())),
         return_type=plgpu.ShapeDtypeStruct(out_shape, jnp.float16, plgpu.Layout.WGMMA),
     )
-    def decode(_, codes, scales):
+    def decode(_, codes, *scales):
         i8 = ir.IntegerType.get_signless(8)
         i16 = ir.IntegerType.get_signless(16)
         i32 = ir.IntegerType.get_signless(32)
@@ -328,6 +423,36 @@ def _decode_chunk_gpu(codes, scale_smem, *, chunk: int, block_n: int, layout: st
             ir.VectorType.get((4,), i8)
         ):
             raise NotImplementedError(f"unexpected code registers {codes.layout}")
+
+        def e4m3x2_to_f16x2(b16):
+            """Two E4M3 bytes (low byte -> low half) -> f16x2, exact."""
+            out = mgpu_utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;", b16, result_types=i32)
+            return mgpu_utils.bitcast(out, f16x2)
+
+        def nvfp4_pairs(w, row, col):
+            # The word's block scale, duplicated into both bytes of a b16 and widened to f16x2.
+            sb = memref.load(scales[0], [row, arith.divui(col, c(8, index))])
+            s2 = e4m3x2_to_f16x2(arith.muli(arith.extui(i16, sb), c(0x0101, i16)))
+            pairs = []
+            for terms in _DECODE_TERMS[layout]:
+                bits = None
+                for shift, mask in terms:
+                    v = w
+                    if shift > 0:
+                        v = arith.shli(w, c(shift, i32))
+                    elif shift < 0:
+                        v = arith.shrui(w, c(-shift, i32))
+                    v = arith.andi(v, c(mask, i32))
+                    bits = v if bits is None else arith.ori(bits, v)
+                pairs.append(arith.mulf(mgpu_utils.bitcast(bits, f16x2), s2))
+            return pairs
+
+        def fp8_pairs(w, row, col):
+            del row, col
+            lo = arith.trunci(i16, w)
+            hi = arith.trunci(i16, arith.shrui(w, c(16, i32)))
+            return [e4m3x2_to_f16x2(lo), e4m3x2_to_f16x2(hi)]
+
         # (row, col) of each register's first byte for this thread, in register order.
         thread_rc = dict(
             zip(
@@ -337,34 +462,19 @@ def _decode_chunk_gpu(codes, scale_smem, *, chunk: int, block_n: int, layout: st
             )
         )
         out_regs = np.full(fa.WGMMA_LAYOUT.registers_shape(out_shape), None, dtype=object)
-        for reg_idx, slots in _chunk_plan(block_n, codes.shape[1], chunk):
+        for reg_idx, slots in _chunk_plan(block_n, codes.shape[1], chunk, fmt):
             w = mgpu_utils.bitcast(codes.registers[reg_idx], i32)
-            row, col = thread_rc[reg_idx]
-            # The word's block scale, duplicated into both bytes of a b16 and widened to f16x2.
-            sb = memref.load(scales, [row, arith.divui(col, c(8, index))])
-            sb = arith.muli(arith.extui(i16, sb), c(0x0101, i16))
-            s2 = mgpu_utils.bitcast(
-                mgpu_utils.inline_ptx("cvt.rn.f16x2.e4m3x2 $0, $1;", sb, result_types=i32), f16x2
-            )
+            if skip:
+                pairs = [mgpu_utils.bitcast(w, f16x2)] * len(slots)
+            else:
+                pairs = (nvfp4_pairs if nvfp4 else fp8_pairs)(w, *thread_rc[reg_idx])
             for out_idx, i in slots:
-                if skip:
-                    out_regs[out_idx] = mgpu_utils.bitcast(w, f16x2)
-                    continue
-                bits = None
-                for shift, mask in _DECODE_TERMS[layout][i]:
-                    v = w
-                    if shift > 0:
-                        v = arith.shli(w, c(shift, i32))
-                    elif shift < 0:
-                        v = arith.shrui(w, c(-shift, i32))
-                    v = arith.andi(v, c(mask, i32))
-                    bits = v if bits is None else arith.ori(bits, v)
-                out_regs[out_idx] = arith.mulf(mgpu_utils.bitcast(bits, f16x2), s2)
+                out_regs[out_idx] = pairs[i]
         if any(v is None for v in out_regs.flat):
             raise AssertionError("decode plan left operand registers unset")
         return fa.FragmentedArray(_registers=out_regs, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-    return decode(codes, scale_smem)
+    return decode(codes, *((scale_smem,) if nvfp4 else ()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,6 +486,23 @@ def _swizzled(bits: int) -> tuple:
     return (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
 
 
+def _weight_specs(fmt: str, layout: str, bn: int, bk: int, ni) -> list:
+    """BlockSpecs of the weight operands of one CTA step (codes first)."""
+    if fmt == "fp8_row":
+        return [plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), transforms=_swizzled(8))]
+    if layout == "tiled":  # one contiguous [bn, bk] tile per step
+        return [
+            plgpu.BlockSpec(
+                (None, None, bn, bk // 2), lambda ki: (ni, ki, 0, 0), transforms=_swizzled(8)
+            ),
+            plgpu.BlockSpec((None, None, bn, bk // 16), lambda ki: (ni, ki, 0, 0)),
+        ]
+    return [
+        plgpu.BlockSpec((bn, bk // 2), lambda ki: (ni, ki), transforms=_swizzled(8)),
+        plgpu.BlockSpec((bn, bk // 16), lambda ki: (ni, ki)),
+    ]
+
+
 def _build_kernel(
     m_pad: int,
     n: int,
@@ -384,68 +511,77 @@ def _build_kernel(
     interpret: bool,
     layout: str = "checkpoint",
     *,
+    fmt: str = "nvfp4",
     skip_decode: bool = False,
 ):
-    """x float16[m_pad, K] (permuted), codes uint8[N, K/2], scales uint8[N, K/16] (4-D tiles
-    for "tiled") -> f32[cdiv(N, block_n) * block_n, m_pad] (unscaled, transposed).
-    ``skip_decode`` is a timing diagnostic (GPU only, wrong results)."""
+    """The GEMV kernel of either format (one pipeline, the decode chosen by ``fmt``).
+
+    Operands: x float16[m_pad, K] (permuted for ``fmt``), then NVFP4 codes uint8[N, K/2] and
+    scales uint8[N, K/16] (4-D tiles for "tiled"), or FP8 codes uint8[N, K]. Returns
+    f32[cdiv(N, block_n) * block_n, m_pad] (unscaled, transposed). ``skip_decode`` is a timing
+    diagnostic (GPU only, wrong results).
+    """
     bn, bk = cfg.block_n, cfg.block_k
     n_blocks = C.cdiv(n, bn)
     k_steps = C.cdiv(k, bk)
-    chunks = bk // _CHUNK
+    tile_bytes = bk // _ELEMS_PER_BYTE[fmt]
+    # NVFP4 loads a step's codes at once (measured); FP8 one 128-byte swizzle row (two chunks)
+    # at a time, so the live code registers stay at ``block_n`` bytes per thread.
+    slab = tile_bytes if fmt == "nvfp4" else 128
+    chunks_per_slab = slab * _ELEMS_PER_BYTE[fmt] // _CHUNK
 
-    def body(x_gmem, packed_gmem, scale_gmem, out_gmem):
+    def body(x_gmem, *refs):
+        *w_gmem, out_gmem = refs
         ni = jax.lax.axis_index("n")
 
-        def step_gpu(acc_ref, p_smem, s_smem, x_smem):
-            codes = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA_8BIT)
-            for c in range(chunks):
-                a = _decode_chunk_gpu(
-                    codes, s_smem, chunk=c, block_n=bn, layout=layout, skip=skip_decode
-                )
-                plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(c * _CHUNK, _CHUNK)].T)
-                plgpu.wgmma_wait(1)
+        def step_gpu(acc_ref, x_smem, codes_smem, *scale_smem):
+            for s in range(tile_bytes // slab):
+                view = codes_smem if slab == tile_bytes else codes_smem.at[:, pl.ds(s * slab, slab)]
+                codes = plgpu.load(view, layout=plgpu.Layout.WGMMA_8BIT)
+                for c in range(chunks_per_slab):
+                    a = _decode_chunk_gpu(
+                        codes,
+                        scale_smem[0] if scale_smem else None,
+                        fmt=fmt,
+                        chunk=c,
+                        block_n=bn,
+                        layout=layout,
+                        skip=skip_decode,
+                    )
+                    col = (s * chunks_per_slab + c) * _CHUNK
+                    plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(col, _CHUNK)].T)
+                    plgpu.wgmma_wait(1)
 
-        def step_interpret(acc_ref, p_smem, s_smem, x_smem, a_smem):
-            a_smem[...] = decode_tile(p_smem[...], s_smem[...], layout=layout)
-            for c in range(chunks):
+        def step_interpret(acc_ref, x_smem, a_smem, codes_smem, *scale_smem):
+            if fmt == "nvfp4":
+                a_smem[...] = decode_tile(codes_smem[...], scale_smem[0][...], layout=layout)
+            else:
+                a_smem[...] = decode_tile_fp8(codes_smem[...])
+            for c in range(bk // _CHUNK):
                 cols = pl.ds(c * _CHUNK, _CHUNK)
                 plgpu.wgmma(acc_ref, a_smem.at[:, cols], x_smem.at[:, cols].T)
                 plgpu.wgmma_wait(1)
 
         def run(acc_ref, *scratch):
-            def pipeline_body(_, p_smem, s_smem, x_smem):
+            def pipeline_body(_, *smem):
+                *w_smem, x_smem = smem
                 if interpret:
-                    step_interpret(acc_ref, p_smem, s_smem, x_smem, *scratch)
+                    step_interpret(acc_ref, x_smem, *scratch, *w_smem)
                 else:
-                    step_gpu(acc_ref, p_smem, s_smem, x_smem)
+                    step_gpu(acc_ref, x_smem, *w_smem)
                 # The last wgmma reads x_smem: finish it before the pipeline refills the slot
                 # (cheaper in shared memory than releasing every slot one step late).
                 plgpu.wgmma_wait(0)
 
-            if layout == "tiled":  # one contiguous [bn, bk] tile per step
-                w_specs = [
-                    plgpu.BlockSpec(
-                        (None, None, bn, bk // 2),
-                        lambda ki: (ni, ki, 0, 0),
-                        transforms=_swizzled(8),
-                    ),
-                    plgpu.BlockSpec((None, None, bn, bk // 16), lambda ki: (ni, ki, 0, 0)),
-                ]
-            else:
-                w_specs = [
-                    plgpu.BlockSpec((bn, bk // 2), lambda ki: (ni, ki), transforms=_swizzled(8)),
-                    plgpu.BlockSpec((bn, bk // 16), lambda ki: (ni, ki)),
-                ]
             plgpu.emit_pipeline(
                 pipeline_body,
                 grid=(k_steps,),
                 in_specs=[
-                    *w_specs,
+                    *_weight_specs(fmt, layout, bn, bk, ni),
                     plgpu.BlockSpec((m_pad, bk), lambda ki: (0, ki), transforms=_swizzled(16)),
                 ],
                 max_concurrent_steps=cfg.stages,
-            )(packed_gmem, scale_gmem, x_gmem)
+            )(*w_gmem, x_gmem)
             return acc_ref[...]
 
         def with_scratch(*scratch):
@@ -487,7 +623,7 @@ def nvfp4_gemv_mosaic(
     """NVFP4 W4A16 GEMV on Hopper tensor cores; same contract as ``gemv.nvfp4_gemv``.
 
     Args:
-      x: bf16[M, K] activations, 1 <= M <= 32, K a multiple of 16.
+      x: bf16[M, K] activations, 1 <= M <= 128, K a multiple of 16.
       packed: uint8[Nw, Kw/2], Nw a multiple of 8 and Kw of 256 with K <= Kw < K + 256, or
         for "tiled" uint8[Nw/bn, Kw/bk, bn, bk/2] (see :func:`prepare_nvfp4_mosaic`); columns
         past K must decode to zero (they do after it).
@@ -504,8 +640,7 @@ def nvfp4_gemv_mosaic(
     """
     if layout not in WEIGHT_LAYOUTS:
         raise ValueError(f"layout must be one of {WEIGHT_LAYOUTS}, got {layout!r}")
-    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
+    _check_rows(x)
     m, k = x.shape
     if layout == "tiled":
         if packed.ndim != 4:
@@ -535,15 +670,79 @@ def nvfp4_gemv_mosaic(
         raise ValueError(f"x K={k} must be a multiple of 16 and match the weight's K={kw}")
     if scale.shape != want_scale:
         raise ValueError(f"scale must be {list(want_scale)}, got {scale.shape}")
-    n = nw if n is None else n
-    n_align = config.block_n if layout == "tiled" else N_ALIGN
-    if not nw - n_align < n <= nw:
-        raise ValueError(f"n={n} must be in ({nw - n_align}, {nw}] for a weight of {nw} rows")
+    n = _check_n(n, nw, config.block_n if layout == "tiled" else N_ALIGN)
     cfg = config or default_config(m, nw, kw)
-    m_pad = C.round_up(m, 8)
-    x16, xinv = C.to_f16_rowscaled(x, m_pad)  # float16[m_pad, K], f32[M]
-    x16 = permute_k(jnp.pad(x16, ((0, 0), (0, kw - k))))
-    kernel = _build_kernel(m_pad, nw, kw, cfg, interpret, layout)
-    out_t = kernel(x16, packed, C.as_u8(scale))  # f32[cdiv(Nw, block_n) * block_n, m_pad]
+    out_t, xinv = _run_transposed(
+        "nvfp4", x, (packed, C.as_u8(scale)), nw, kw, cfg, layout, interpret
+    )
     gscale = jnp.asarray(scale_2, jnp.float32) * C.E2M1_F16_UNBIAS
     return (out_t[:n, :m] * (xinv * gscale)[None, :]).T
+
+
+def _check_rows(x: jax.Array) -> None:
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
+
+
+def _check_n(n: int | None, nw: int, n_align: int) -> int:
+    n = nw if n is None else n
+    if not nw - n_align < n <= nw:
+        raise ValueError(f"n={n} must be in ({nw - n_align}, {nw}] for a weight of {nw} rows")
+    return n
+
+
+def _run_transposed(fmt, x, weights, nw: int, kw: int, cfg, layout: str, interpret: bool):
+    """Row-scale, pad and permute x, run the kernel. Returns (f32[>= Nw, m_pad] unscaled and
+    transposed, f32[M] factors undoing the row scaling)."""
+    m, k = x.shape
+    m_pad = C.round_up(m, 8)
+    x16, xinv = C.to_f16_rowscaled(x, m_pad)  # float16[m_pad, K], f32[M]
+    x16 = permute_k(jnp.pad(x16, ((0, 0), (0, kw - k))), fmt)
+    kernel = _build_kernel(m_pad, nw, kw, cfg, interpret, layout, fmt=fmt)
+    return kernel(x16, *weights), xinv
+
+
+@functools.partial(jax.jit, static_argnames=("n", "config", "interpret"))
+def fp8_row_gemv_mosaic(
+    x: jax.Array,
+    q: jax.Array,
+    scale: jax.Array,
+    *,
+    n: int | None = None,
+    config: MosaicGemvConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """FP8 per-row W8A16 GEMV on Hopper tensor cores; same contract as ``gemv.fp8_row_gemv``:
+    ``x @ (q * scale[:, None]).T``.
+
+    Args:
+      x: bf16[M, K] activations, 1 <= M <= 128.
+      q: float8_e4m3fn[Nw, Kw], Nw a multiple of 8 and Kw of 128 with K <= Kw < K + 128
+        (:func:`prepare_fp8_row_mosaic` pads other weights once; columns past K must be zero).
+      scale: f32[Nw] per-row scale, applied in F32 after the F32-accumulated MMA.
+      n: output rows to keep (the weight's N before padding); default Nw.
+      config: tile sizes (:func:`default_config` with ``fmt="fp8_row"`` when None).
+      interpret: run Mosaic GPU's CPU interpreter (slow; tests only).
+
+    Returns:
+      f32[M, n].
+    """
+    _check_rows(x)
+    m, k = x.shape
+    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"q must be float8_e4m3fn[N, K], got {q.dtype}{list(q.shape)}")
+    nw, kw = q.shape
+    if kw % FP8_K_ALIGN or nw % N_ALIGN:
+        raise ValueError(
+            f"q must be [N, K] with N % {N_ALIGN} == 0 and K % {FP8_K_ALIGN} == 0, got "
+            f"N={nw}, K={kw}; pad the weight once with prepare_fp8_row_mosaic"
+        )
+    if not k <= kw < k + FP8_K_ALIGN:
+        raise ValueError(f"x K={k} must match the weight's K={kw}")
+    if scale.shape != (nw,):
+        raise ValueError(f"scale must be [{nw}], got {scale.shape}")
+    n = _check_n(n, nw, N_ALIGN)
+    cfg = config or default_config(m, nw, kw, fmt="fp8_row")
+    out_t, xinv = _run_transposed("fp8_row", x, (C.as_u8(q),), nw, kw, cfg, "checkpoint", interpret)
+    rscale = scale.astype(jnp.float32)[:n, None]
+    return (out_t[:n, :m] * rscale * xinv[None, :]).T

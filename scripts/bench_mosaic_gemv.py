@@ -1,26 +1,55 @@
-"""Check and time the Mosaic GPU NVFP4 GEMV against the Triton kernel and XLA's BF16 GEMV.
+"""Check and time the Mosaic GPU GEMVs (NVFP4, FP8 per-row; 1 to 128 rows) on one GPU.
 
-    PYTHONPATH=. python3 scripts/bench_mosaic_gemv.py --json $OUT/mosaic.json
+Next session (one run of the new sections, under 4 minutes incl. compiles):
 
-On one GPU, for the LM head [248320, 5120] at M = 1, 2, 4, 8 and the drafter projection
-[17408, 5120] at M = 1: XLA's BF16 ``dot_general`` GEMV (the baseline), the Triton
-``nvfp4_gemv`` with its default config, and :func:`pallas_kernels.gemv_mosaic.nvfp4_gemv_mosaic`
-over a few tile configs. Every kernel config is first checked against ``nvfp4_gemv_reference``
-(relative error) on a small odd shape and then on the timed shape. Times are medians of repeated
-calls after warm-up, each timed call launching over >= 3 rotated weight copies (> 2x the 60 MB
-L2 in flight), with the helpers of ``scripts/bench_kernels.py``.
+    MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=. python3 scripts/bench_mosaic_gemv.py \
+        --sections mosaic_rows,mosaic_fp8 --budget-s 200 \
+        --json $OUT/mosaic_rows_fp8.json --logdir $OUT/logs
 
-The XLA/Triton measurements and the Mosaic ones run in separate child processes (a kernel that
-faults cannot take the baselines down; a Mosaic config that kills its child is skipped on a
-restart). Records are JSON lines while running; ``--json`` gets the list with ratios attached:
-``ratio`` = time / XLA BF16 time (same shape and M), ``ratio_vs_triton`` likewise.
+(``MOSAIC_GPU_DUMP_PTXAS=1``, a Mosaic GPU debug switch, should put ptxas's register and spill
+report of every compiled kernel into the children's logs; the CPU cannot produce it.)
 
-``--smoke`` runs tiny shapes in Mosaic GPU interpret mode on the CPU (checks the script only).
+Both new sections make a first pass (the default configs and every baseline, all M) before a
+second (alternative tiles and layouts), so a short budget cuts alternatives first; the rows
+section gets 45% of the budget, the FP8 section the rest.
+
+Sections (``--sections``, default ``baselines,mosaic``, the measured M=1..8 run):
+
+* ``baselines``: XLA's BF16 ``dot_general`` GEMV and the Triton ``nvfp4_gemv`` (default config)
+  on the drafter projection [17408, 5120] at M=1 and the LM head [248320, 5120] at M=1, 2, 4, 8.
+* ``mosaic``: :func:`pallas_kernels.gemv_mosaic.nvfp4_gemv_mosaic` on the same shapes over a few
+  weight layouts and tile configs.
+* ``mosaic_rows``: the NVFP4 Mosaic kernel at M = 16, 32, 64, 96, 128 on the LM head (default
+  config, the other CTA width, the tiled layout), against the Triton verify GEMM
+  (``verify_gemm_nvfp4`` on the ``make_transposed`` copy) at the same M, the Triton batched
+  GEMV at M = 16, 32, and the Mosaic M=1 GEMV. Target: verify-regime rows at 32 and 96 <= 1.6x
+  the same format's M=1 GEMV (``ratio_vs_m1``).
+* ``mosaic_fp8``: :func:`pallas_kernels.gemv_mosaic.fp8_row_gemv_mosaic` at M = 1, 2, 4, 8, 32,
+  96 on the LM head and M = 1, 8 on the MoE LM head [151936, 2048], against the Triton
+  ``fp8_row_gemv`` (M <= 32), ``verify_gemm_fp8_row`` (M >= 16), XLA's BF16 GEMV and XLA's FP8
+  dequant+dot at the same shape and M. Targets: M=1 <= 0.55x XLA BF16 (``ratio``); M=2..8 <=
+  1.15x of M=1 (``ratio_vs_m1``).
+
+Every kernel config is first checked against its ``*_reference`` (relative error): the new
+defaults on a small odd shape, every timed variant on the timed shape (its first launch). Times
+are medians of repeated calls after warm-up, each timed call launching over >= 3 rotated weight
+copies (> 2x the 60 MB L2 in flight), with the helpers of ``scripts/bench_kernels.py``.
+
+Each section runs in its own child process (a kernel that faults cannot take the others down;
+a variant that kills its child is skipped on a restart), and every variant in try/except.
+Records are JSON lines while running; ``--json`` gets the list with ratios attached: ``ratio`` =
+time / XLA BF16 time (same shape and M), ``ratio_vs_triton`` = time / the Triton GEMV of the
+same format (same shape and M), ``ratio_vs_m1`` = time / the fastest M=1 GEMV of the same format
+and shape in the run.
+
+``--smoke`` runs tiny shapes in Mosaic GPU (and Triton) interpret mode on the CPU, by default
+every section (checks the script only).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -36,7 +65,13 @@ import bench_kernels as BK
 
 LM_HEAD = ("lm_head", 248320, 5120)
 DRAFTER = ("drafter_proj", 17408, 5120)
+MOE_HEAD = ("moe_lm_head", 151936, 2048)
 LM_ROWS = (1, 2, 4, 8)
+#: mosaic_rows: rows of the verify regime (batch x (K+1) <= 96) and the B=64 propose head.
+MANY_ROWS = (16, 32, 64, 96, 128)
+#: mosaic_fp8: (shape, rows) timed.
+FP8_SHAPES = ((*LM_HEAD, (1, 2, 4, 8, 32, 96)), (*MOE_HEAD, (1, 8)))
+SECTIONS = ("baselines", "mosaic", "mosaic_rows", "mosaic_fp8")
 MIN_COPIES = 3
 TOL = 2e-5
 
@@ -78,12 +113,12 @@ class Ctx(BK.Ctx):
         self.sweep = sweep
 
 
-def _weight_sets(ctx, n: int, k: int):
-    """>= MIN_COPIES NVFP4 weights (more while they fit in 2x L2) and their byte count."""
-    first = BK._weights(ctx, "nvfp4", n, k)
+def _weight_sets(ctx, n: int, k: int, fmt: str = "nvfp4"):
+    """>= MIN_COPIES weights (more while they fit in 2x L2) and their byte count."""
+    first = BK._weights(ctx, fmt, n, k)
     nb = BK._nbytes(first)
     copies = max(MIN_COPIES, min(8, math.ceil(2 * BK.L2_BYTES / nb)))
-    return [first] + [BK._weights(ctx, "nvfp4", n, k) for _ in range(copies - 1)], nb
+    return [first] + [BK._weights(ctx, fmt, n, k) for _ in range(copies - 1)], nb
 
 
 def _launches(ctx, nbytes: int, est_us: float) -> int:
@@ -112,6 +147,58 @@ def _shapes(ctx):
     return [(*DRAFTER, (1,)), (*LM_HEAD, LM_ROWS)]
 
 
+def _xla_bf16(x, w):
+    """XLA's BF16 GEMV, the baseline of every ratio: bf16[M, K] x bf16[N, K] -> f32[M, N]."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _xla_fp8_row(x, q, scale):
+    """XLA's FP8 per-row dequant + dot (as ``scripts/bench_kernels.py`` times it)."""
+    import jax.numpy as jnp
+
+    return _xla_bf16(x, q.astype(jnp.bfloat16)) * scale[None, :]
+
+
+def _time_only(ctx, rec: dict, fn, sets):
+    """Time an unchecked baseline into ``rec`` (errors recorded, not raised), then emit it."""
+    try:
+        rec["time_us"] = BK._time(ctx, fn, sets, reps=1 if ctx.smoke else 7)
+        rec["ok"] = True
+        if rec.get("bytes"):
+            rec["gbps"] = rec["bytes"] / rec["time_us"] / 1e3
+    except Exception as e:
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:600]}")
+    ctx.emit(rec)
+
+
+def _check_small(ctx, skip: set[str], rid: str, rec: dict, fn, args, want):
+    """One checked call on a small shape into ``rec`` (a restart skips ``rid``)."""
+    if rid in skip:
+        return
+    ctx.emit(dict(kernel="_start", id=rid))
+    try:
+        rec["rel_err"] = BK._rel_err(fn(*args), want)
+        rec["ok"] = bool(rec["rel_err"] < TOL)
+    except Exception as e:
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+        traceback.print_exc()
+    ctx.emit(rec)
+
+
+def _timed_variant(ctx, skip: set[str], rid: str, rec: dict, fn, xs, weights, want, nb: int):
+    """Check (first launch against ``want``) and time ``fn(x, *weights)`` over rotated copies."""
+    if rid in skip or ctx.left() < 8:
+        return
+    ctx.emit(dict(kernel="_start", id=rid))
+    sets = [(x, *weights[i % len(weights)]) for i, x in enumerate(xs)]
+    _measure(ctx, rec, fn, sets, want, nb)
+    if rec.get("error"):
+        print(rec["error"], file=sys.stderr)
+
+
 def child_baselines(ctx):
     """XLA BF16 GEMV and the Triton NVFP4 GEMV (default config), every shape and M."""
     import jax
@@ -128,18 +215,8 @@ def child_baselines(ctx):
                 for i in range(reps)
             ]
 
-            def xla_bf16(x, w):
-                return jax.lax.dot_general(
-                    x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
-
             rec = _rec("xla_bf16_dot", name, m, n, k, fmt="bf16", bytes=n * k * 2)
-            try:
-                rec["time_us"] = BK._time(ctx, xla_bf16, sets, reps=1 if ctx.smoke else 7)
-                rec["ok"] = True
-            except Exception as e:
-                rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[:600]}")
-            ctx.emit(rec)
+            _time_only(ctx, rec, _xla_bf16, sets)
         del ws
         sets_w, nb = _weight_sets(ctx, n, k)
         for m in rows:
@@ -184,22 +261,13 @@ def child_mosaic(ctx, skip: set[str]):
         dict.fromkeys(v for nm, *_ in _shapes(ctx) for mm in (1, 8) for v in _variants(ctx, nm, mm))
     )
     for layout, cfg in variants[:2] if ctx.smoke else variants:
-        rid = run_id("small", m, layout, cfg, "check")
-        if rid in skip:
-            continue
-        ctx.emit(dict(kernel="_start", id=rid))
         rec = rec_for("small", m, n, k, layout, cfg, check="small")
-        try:
-            ((p, sc, _),) = _prepare([lv], layout, cfg)
-            got = GM.nvfp4_gemv_mosaic(
-                x, p, sc, lv[2], n=n, layout=layout, config=cfg, interpret=interp
-            )
-            rec["rel_err"] = BK._rel_err(got, want)
-            rec["ok"] = bool(rec["rel_err"] < TOL)
-        except Exception as e:
-            rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
-            traceback.print_exc()
-        ctx.emit(rec)
+        ((p, sc, _),) = _prepare([lv], layout, cfg)
+        fn = functools.partial(
+            GM.nvfp4_gemv_mosaic, n=n, layout=layout, config=cfg, interpret=interp
+        )
+        rid = run_id("small", m, layout, cfg, "check")
+        _check_small(ctx, skip, rid, rec, fn, (x, p, sc, lv[2]), want)
     del lv, x, want
 
     # 2) Real shapes.
@@ -219,22 +287,15 @@ def child_mosaic(ctx, skip: set[str]):
             xs = [jax.random.normal(ctx.next_key(), (m, k), jnp.bfloat16) for _ in range(reps)]
             want = G.nvfp4_gemv_reference(xs[0], *sets_w[0])
             for layout, cfg in _variants(ctx, name, m)[: 1 if ctx.smoke else None]:
-                rid = run_id(name, m, layout, cfg, "time")
-                if rid in skip or ctx.left() < 8:
-                    continue
-                ctx.emit(dict(kernel="_start", id=rid))
                 rec = rec_for(
                     name, m, n, k, layout, cfg, is_default=cfg == GM.default_config(m, n, k)
                 )
-                ws = prepped[_prep_key(layout, cfg)]
-                sets = [(xs[i], *ws[i % len(ws)]) for i in range(reps)]
                 fn = functools.partial(
                     GM.nvfp4_gemv_mosaic, n=n, layout=layout, config=cfg, interpret=interp
                 )
-                _measure(ctx, rec, fn, sets, want, nb)
-                if rec.get("error"):
-                    print(rec["error"], file=sys.stderr)
-                del sets
+                rid = run_id(name, m, layout, cfg, "time")
+                ws = prepped[_prep_key(layout, cfg)]
+                _timed_variant(ctx, skip, rid, rec, fn, xs, ws, want, nb)
             if name == "lm_head" and m == 1 and not interp:
                 for layout, cfg, skip_decode in _kernel_only_variants(ctx, m, n, k):
                     ws = prepped[_prep_key(layout, cfg)]
@@ -274,6 +335,216 @@ def _kernel_only(ctx, xs, weights, n, k, nb, layout, cfg, skip_decode):
     ctx.emit(rec)
 
 
+def _xs(ctx, m: int, k: int, reps: int):
+    import jax
+    import jax.numpy as jnp
+
+    return [jax.random.normal(ctx.next_key(), (m, k), jnp.bfloat16) for _ in range(reps)]
+
+
+def _cfg_id(cfg) -> str:
+    return "default" if cfg is None else f"{cfg.block_n}x{cfg.block_k}x{cfg.stages}"
+
+
+def _rows_variants(ctx, m: int, n: int, k: int, extra: bool):
+    """NVFP4 (layout, config) pairs at ``m`` rows: the default, or with ``extra`` the other CTA
+    width and the tiled layout (and with --sweep a 3-stage pipeline)."""
+    from pallas_kernels import gemv_mosaic as GM
+
+    d = GM.default_config(m, n, k)
+    if not extra:
+        return [("checkpoint", d)]
+    if m == 1:
+        return [("tiled", d)]
+    other = GM.MosaicGemvConfig(block_n=64 if d.block_n == 128 else 128, block_k=256, stages=2)
+    out = [("checkpoint", other), ("tiled", d)]
+    if ctx.sweep:
+        out.append(("checkpoint", dataclasses.replace(d, stages=3)))
+    return out
+
+
+def _fp8_variants(ctx, m: int, n: int, k: int, extra: bool):
+    """FP8 configs at ``m`` rows: the default, or with ``extra`` a few alternatives."""
+    from pallas_kernels import gemv_mosaic as GM
+
+    d = GM.default_config(m, n, k, fmt="fp8_row")
+    if not extra:
+        return [d]
+    cfg = GM.MosaicGemvConfig
+    if m <= 8:
+        out = [cfg(block_n=64, block_k=512, stages=2), cfg(block_n=128, block_k=256, stages=2)]
+        if m in (1, 8):
+            out.append(cfg(block_n=64, block_k=256, stages=3))
+        if ctx.sweep:
+            out += [cfg(block_n=64, block_k=256, stages=4), cfg(block_n=128, block_k=512)]
+    else:
+        out = [cfg(block_n=64 if d.block_n == 128 else 128, block_k=256, stages=2)]
+    return [c for c in out if c != d]
+
+
+def _pass_rows(ctx, rows: tuple[int, ...], extra: bool) -> tuple[int, ...]:
+    """Rows of one pass; the smoke run's second pass (alternatives) takes the first and last."""
+    return tuple(dict.fromkeys((rows[0], rows[-1]))) if ctx.smoke and extra else rows
+
+
+def child_mosaic_rows(ctx, skip: set[str]):
+    """NVFP4 Mosaic at 16..128 rows against the Triton verify GEMM and batched GEMV."""
+    from pallas_kernels import gemv as G
+    from pallas_kernels import gemv_mosaic as GM
+    from pallas_kernels import verify_gemm as V
+
+    interp = ctx.interpret
+
+    # 1) Small odd shape (N=1021 padded to 1024, K=4640 to 4864), the new defaults (each timed
+    # variant is checked on its timed shape too).
+    n, k = (1021, 4640) if not ctx.smoke else (130, 272)
+    lv = BK._weights(ctx, "nvfp4", n, k)
+    packed, scale = GM.prepare_nvfp4_mosaic(lv[0], lv[1])
+    for m in (33, 128) if not ctx.smoke else (33,):
+        x = _xs(ctx, m, k, 1)[0]
+        cfg = GM.default_config(m, *packed.shape)
+        rec = _rec("nvfp4_gemv_mosaic", "small", m, n, k, config=BK._cfg_dict(cfg), check="small")
+        fn = functools.partial(GM.nvfp4_gemv_mosaic, n=n, interpret=interp)
+        want = G.nvfp4_gemv_reference(x, *lv)
+        _check_small(ctx, skip, f"check:rows:{m}", rec, fn, (x, packed, scale, lv[2]), want)
+    del lv, packed, scale
+
+    # 2) The LM head: a first pass with the defaults and the Triton kernels, then alternatives.
+    name, n, k = LM_HEAD if not ctx.smoke else ("lm_head", 136, 512)
+    rows = MANY_ROWS if not ctx.smoke else (16, 96)
+    sets_w, nb = _weight_sets(ctx, n, k)
+    prepped = {}
+    transposed = []
+    for extra in (False, True):
+        for m in _pass_rows(ctx, (1, *rows), extra):
+            if ctx.left() < 10:
+                ctx.emit(dict(kernel="_deadline", shape=name, rows=m, extra=extra))
+                return
+            xs = _xs(ctx, m, k, _launches(ctx, nb, nb / 3.0e6))
+            want = G.nvfp4_gemv_reference(xs[0], *sets_w[0])
+            for layout, cfg in _rows_variants(ctx, m, n, k, extra):
+                key = _prep_key(layout, cfg)
+                if key not in prepped:
+                    prepped[key] = _prepare(sets_w, layout, cfg)
+                rec = _rec(
+                    "nvfp4_gemv_mosaic",
+                    name,
+                    m,
+                    n,
+                    k,
+                    layout=layout,
+                    config=BK._cfg_dict(cfg),
+                    is_default=cfg == GM.default_config(m, n, k),
+                )
+                fn = functools.partial(
+                    GM.nvfp4_gemv_mosaic, n=n, layout=layout, config=cfg, interpret=interp
+                )
+                rid = f"rows:{m}:{layout}:{_cfg_id(cfg)}"
+                _timed_variant(ctx, skip, rid, rec, fn, xs, prepped[key], want, nb)
+            if not extra and m > 1:
+                if not transposed:
+                    transposed = [V.make_transposed("nvfp4", *w) for w in sets_w]
+                rec = _rec("nvfp4_verify_gemm_triton", name, m, n, k, config=None)
+                fn = functools.partial(V.verify_gemm_nvfp4, n=n, interpret=interp)
+                _timed_variant(ctx, skip, f"verify:{m}", rec, fn, xs, transposed, want, nb)
+            if not extra and 1 < m <= G.MAX_ROWS:
+                rec = _rec("nvfp4_gemv_triton", name, m, n, k, config=None)
+                fn = functools.partial(G.nvfp4_gemv, interpret=interp)
+                _timed_variant(ctx, skip, f"triton:{m}", rec, fn, xs, sets_w, want, nb)
+            del xs, want
+
+
+def child_mosaic_fp8(ctx, skip: set[str]):
+    """FP8 per-row Mosaic against the Triton FP8 GEMV / verify GEMM and XLA."""
+    from pallas_kernels import gemv as G
+    from pallas_kernels import gemv_mosaic as GM
+
+    interp = ctx.interpret
+
+    # 1) Small odd shape (N=1021 padded to 1024, K=4640 to 4736), the defaults (each timed
+    # variant is checked on its timed shape too).
+    n, k = (1021, 4640) if not ctx.smoke else (131, 200)
+    q, scale = BK._weights(ctx, "fp8_row", n, k)
+    qp, sp = GM.prepare_fp8_row_mosaic(q, scale)
+    for m, cfg in ((3, None), (96, None)):
+        x = _xs(ctx, m, k, 1)[0]
+        rec = _rec(
+            "fp8_row_gemv_mosaic",
+            "small",
+            m,
+            n,
+            k,
+            fmt="fp8_row",
+            config=BK._cfg_dict(cfg),
+            check="small",
+        )
+        fn = functools.partial(GM.fp8_row_gemv_mosaic, n=n, config=cfg, interpret=interp)
+        want = G.fp8_row_gemv_reference(x, q, scale)
+        _check_small(ctx, skip, f"check:fp8:{m}:{_cfg_id(cfg)}", rec, fn, (x, qp, sp), want)
+    del q, scale, qp, sp
+
+    # 2) Timed shapes: a first pass with the defaults and every baseline, then alternatives.
+    shapes = FP8_SHAPES if not ctx.smoke else (("lm_head", 136, 512, (1, 8, 96)),)
+    weights, bf16, transposed = {}, {}, {}
+    for extra in (False, True):
+        for name, n, k, rows in shapes:
+            if name not in weights:
+                weights[name] = _weight_sets(ctx, n, k, "fp8_row")
+            sets_w, nb = weights[name]
+            for m in _pass_rows(ctx, rows, extra):
+                if ctx.left() < 10:
+                    ctx.emit(dict(kernel="_deadline", shape=name, rows=m, extra=extra))
+                    return
+                xs = _xs(ctx, m, k, _launches(ctx, nb, nb / 3.0e6))
+                want = G.fp8_row_gemv_reference(xs[0], *sets_w[0])
+                d = GM.default_config(m, n, k, fmt="fp8_row")
+                for cfg in _fp8_variants(ctx, m, n, k, extra):
+                    rec = _rec(
+                        "fp8_row_gemv_mosaic",
+                        name,
+                        m,
+                        n,
+                        k,
+                        fmt="fp8_row",
+                        config=BK._cfg_dict(cfg),
+                        is_default=cfg == d,
+                    )
+                    fn = functools.partial(GM.fp8_row_gemv_mosaic, config=cfg, interpret=interp)
+                    rid = f"fp8:{name}:{m}:{_cfg_id(cfg)}"
+                    _timed_variant(ctx, skip, rid, rec, fn, xs, sets_w, want, nb)
+                if not extra:
+                    _fp8_baselines(ctx, skip, name, m, n, k, xs, weights, bf16, transposed, want)
+                del xs, want
+
+
+def _fp8_baselines(ctx, skip, name, m, n, k, xs, weights, bf16, transposed, want):
+    """The Triton FP8 GEMV (M <= 32) and verify GEMM (M >= 16), XLA's FP8 dequant+dot (all
+    checked against ``want``) and XLA's BF16 GEMV on a BF16 weight of the same shape."""
+    from pallas_kernels import gemv as G
+    from pallas_kernels import verify_gemm as V
+
+    sets_w, nb = weights[name]
+    if m <= G.MAX_ROWS:
+        rec = _rec("fp8_row_gemv_triton", name, m, n, k, fmt="fp8_row")
+        fn = functools.partial(G.fp8_row_gemv, interpret=ctx.interpret)
+        _timed_variant(ctx, skip, f"fp8_triton:{name}:{m}", rec, fn, xs, sets_w, want, nb)
+    if m >= 16:
+        if name not in transposed:
+            transposed[name] = [V.make_transposed("fp8_row", *w) for w in sets_w]
+        rec = _rec("fp8_row_verify_gemm_triton", name, m, n, k, fmt="fp8_row")
+        fn = functools.partial(V.verify_gemm_fp8_row, n=n, interpret=ctx.interpret)
+        rid = f"fp8_verify:{name}:{m}"
+        _timed_variant(ctx, skip, rid, rec, fn, xs, transposed[name], want, nb)
+    rec = _rec("xla_fp8_row_dequant_dot", name, m, n, k, fmt="fp8_row")
+    _timed_variant(ctx, skip, f"fp8_xla:{name}:{m}", rec, _xla_fp8_row, xs, sets_w, want, nb)
+    if name not in bf16:
+        bf16[name] = [BK._weights(ctx, "bf16", n, k) for _ in range(MIN_COPIES)]
+    sets = [(x, *bf16[name][i % MIN_COPIES]) for i, x in enumerate(xs)]
+    _time_only(
+        ctx, _rec("xla_bf16_dot", name, m, n, k, fmt="bf16", bytes=n * k * 2), _xla_bf16, sets
+    )
+
+
 def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, sweep: bool):
     import jax
 
@@ -286,8 +557,14 @@ def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, s
     try:
         if section == "baselines":
             child_baselines(ctx)
-        else:
+        elif section == "mosaic":
             child_mosaic(ctx, skip)
+        elif section == "mosaic_rows":
+            child_mosaic_rows(ctx, skip)
+        elif section == "mosaic_fp8":
+            child_mosaic_fp8(ctx, skip)
+        else:
+            raise ValueError(f"unknown section {section!r}; expected one of {SECTIONS}")
     except Exception:
         ctx.emit(
             dict(kernel="_section_error", section=section, error=traceback.format_exc()[-3000:])
@@ -299,18 +576,27 @@ def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, s
 # ---------------------------------------------------------------------------------------------
 
 
+#: The Triton GEMV that ``ratio_vs_triton`` compares each format with.
+_TRITON_GEMV = {"nvfp4": "nvfp4_gemv_triton", "fp8_row": "fp8_row_gemv_triton"}
+
+
 def _derive(records: list[dict]) -> list[dict]:
     key = lambda r: (r["shape"], r["n"], r["k"], r["rows"])  # noqa: E731
-    xla = {
-        key(r): r["time_us"]
+    timed = [
+        r
         for r in records
-        if r.get("kernel") == "xla_bf16_dot" and "time_us" in r
-    }
+        if not r.get("kernel", "_").startswith("_") and "time_us" in r and r.get("ok", True)
+    ]
+    xla = {key(r): r["time_us"] for r in timed if r["kernel"] == "xla_bf16_dot"}
     tri = {
-        key(r): r["time_us"]
-        for r in records
-        if r.get("kernel") == "nvfp4_gemv_triton" and r.get("ok") and "time_us" in r
+        (r["format"], *key(r)): r["time_us"] for r in timed if r["kernel"] in _TRITON_GEMV.values()
     }
+    # The fastest checked M=1 GEMV of each format and shape (any kernel, layout or config).
+    m1: dict[tuple, float] = {}
+    for r in timed:
+        if r["rows"] == 1 and "gemv" in r["kernel"] and not r["kernel"].endswith("_diag"):
+            kk = (r["format"], r["shape"], r["n"], r["k"])
+            m1[kk] = min(m1.get(kk, math.inf), r["time_us"])
     for r in records:
         if r.get("kernel", "_").startswith("_") or "time_us" not in r:
             continue
@@ -318,9 +604,12 @@ def _derive(records: list[dict]) -> list[dict]:
         r["baseline"] = "xla_bf16_dot_same_shape_and_rows"
         r["baseline_time_us"] = b
         r["ratio"] = None if b is None else r["time_us"] / b
-        t = tri.get(key(r))
+        t = tri.get((r.get("format"), *key(r)))
         r["triton_time_us"] = t
         r["ratio_vs_triton"] = None if t is None else r["time_us"] / t
+        t1 = m1.get((r.get("format"), r["shape"], r["n"], r["k"]))
+        r["m1_gemv_time_us"] = t1
+        r["ratio_vs_m1"] = None if t1 is None else r["time_us"] / t1
     return records
 
 
@@ -333,7 +622,10 @@ def _summary(records: list[dict]) -> str:
                 f"FAIL {r.get('kernel')} {r.get('shape', '')} rows={r.get('rows', '')} "
                 f"cfg={r.get('config')} {str(err)[-400:]}"
             )
-    hdr = f"{'kernel':<34}{'shape':<14}{'rows':>5}{'time_us':>10}{'vs XLA':>8}{'vs Triton':>10}  config"
+    hdr = (
+        f"{'kernel':<34}{'shape':<14}{'rows':>5}{'time_us':>10}{'vs XLA':>8}{'vs Triton':>10}"
+        f"{'vs M=1':>8}  config"
+    )
     lines.append(hdr)
     for r in records:
         if r.get("kernel", "_").startswith("_") or "time_us" not in r:
@@ -344,7 +636,8 @@ def _summary(records: list[dict]) -> str:
         fmt = lambda v, w: f"{v:{w}.3f}" if v is not None else " " * w  # noqa: E731
         lines.append(
             f"{r['kernel']:<34}{r['shape']:<14}{r['rows']:>5}{r['time_us']:>10.1f}"
-            f"{fmt(r.get('ratio'), 8)}{fmt(r.get('ratio_vs_triton'), 10)}  {cs[:70]}"
+            f"{fmt(r.get('ratio'), 8)}{fmt(r.get('ratio_vs_triton'), 10)}"
+            f"{fmt(r.get('ratio_vs_m1'), 8)}  {cs[:70]}"
             f"{'' if r.get('ok', True) else '  NOT OK'}"
         )
     return "\n".join(lines)
@@ -355,7 +648,12 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write all records here (a JSON list)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="wall-clock budget")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
-    ap.add_argument("--sections", default="baselines,mosaic")
+    ap.add_argument(
+        "--sections",
+        default=None,
+        help=f"comma-separated, from {','.join(SECTIONS)} (default: baselines,mosaic; with "
+        "--smoke all of them)",
+    )
     ap.add_argument("--quick", action="store_true", help="LM head at M=1 only")
     ap.add_argument("--sweep", action="store_true", help="more tile variants and diagnostics")
     ap.add_argument("--logdir", default=None, help="keep each child's stdout/stderr here")
@@ -364,6 +662,11 @@ def main(argv=None):
     ap.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.sections is None:
+        args.sections = ",".join(SECTIONS) if args.smoke else "baselines,mosaic"
+    unknown = set(filter(None, args.sections.split(","))) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
     if args.child:
         skip = set(filter(None, args.skip.split(",")))
         run_child(args.child, args.smoke, args.deadline, args.out, skip, args.quick, args.sweep)
@@ -371,7 +674,7 @@ def main(argv=None):
 
     start = time.time()
     records: list[dict] = []
-    share = {"baselines": 0.35, "mosaic": 0.65}
+    share = {"baselines": 0.35, "mosaic": 0.65, "mosaic_rows": 0.45}
     with tempfile.TemporaryDirectory() as tmp:
         for sec in [s for s in args.sections.split(",") if s]:
             skip: list[str] = []

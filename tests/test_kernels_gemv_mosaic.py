@@ -1,7 +1,10 @@
-"""Mosaic GPU NVFP4 GEMV: interpret mode against the reference, the register-level decode plan
-simulated thread by thread, and the CUDA lowering built on the CPU."""
+"""Mosaic GPU NVFP4 and FP8 per-row GEMVs (1 to 128 rows): interpret mode against the references
+and a float64 oracle, the register-level decode plans simulated thread by thread, and the CUDA
+lowering (with its shared-memory count) built on the CPU."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -53,18 +56,20 @@ def test_matches_reference(m, n, k, cfg, layout):
     assert rel_err(out, oracle) < 2e-6
 
 
-def test_rows_are_independent_and_scaled_per_row():
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row"])
+def test_rows_are_independent_and_scaled_per_row(fmt):
     """Rows of very different magnitude (float16 row scaling) each match the reference."""
     rng = np.random.default_rng(7)
-    lv = leaves("nvfp4", 64, 256, rng)
+    lv = leaves(fmt, 64, 256, rng)
     x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
     x = (x * jnp.asarray([[1e6], [1e-6], [1.0]])).astype(jnp.bfloat16)
+    kernel = GM.nvfp4_gemv_mosaic if fmt == "nvfp4" else GM.fp8_row_gemv_mosaic
     cfg = GM.MosaicGemvConfig(block_n=64, block_k=256, stages=2)
-    out = GM.nvfp4_gemv_mosaic(x, *lv, config=cfg, interpret=True)
-    want = G.nvfp4_gemv_reference(x, *lv)
+    out = kernel(x, *lv, config=cfg, interpret=True)
+    want = G.KERNELS[fmt][1](x, *lv)
     for r in range(3):
         assert rel_err(out[r], want[r]) < 2e-6
-    single = GM.nvfp4_gemv_mosaic(x[2:], *lv, config=cfg, interpret=True)
+    single = kernel(x[2:], *lv, config=cfg, interpret=True)
     np.testing.assert_array_equal(np.asarray(single), np.asarray(out[2:]))
 
 
@@ -84,6 +89,115 @@ def test_tiled_layout_is_a_relabelling_of_relaid():
     np.testing.assert_array_equal(
         np.asarray(ts[0, 1]).view(np.uint8), np.asarray(rs[:64, 32:]).view(np.uint8)
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# More rows (up to MAX_ROWS = 128), and the FP8 per-row kernel.
+# ---------------------------------------------------------------------------------------------
+
+_CFG = GM.MosaicGemvConfig
+
+
+def _assert_matches(fmt, x, lv, out):
+    """``out`` against the format's reference and a float64 oracle, and row by row (no row
+    mixing or reordering)."""
+    m, n = x.shape[0], lv[0].shape[0]
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert rel_err(out, G.KERNELS[fmt][1](x, *lv)) < 2e-6
+    oracle = np.asarray(x, np.float64) @ numpy_dequant(fmt, *lv).T
+    assert rel_err(out, oracle) < 2e-6
+    row_err = np.linalg.norm(np.asarray(out, np.float64) - oracle, axis=1)
+    assert np.all(row_err <= 1e-5 * np.linalg.norm(oracle, axis=1))
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg", "layout"),
+    [
+        # M=9 pads to N=16; one 128-row CTA wider than the weight (72 rows).
+        (9, 72, 256, _CFG(block_n=128, block_k=256, stages=2), "checkpoint"),
+        # M=33 (pads to 40), odd N (130 -> 136), default config (128 x 256), K tail in a step.
+        (33, 130, 768, None, "relaid"),
+        # M=96, contiguous tiles, two 64-row M groups per warpgroup.
+        (96, 128, 512, _CFG(block_n=128, block_k=256, stages=3), "tiled"),
+        # M=128 (the MMA's N = 128), default config (64 x 256).
+        (128, 64, 512, None, "checkpoint"),
+    ],
+)
+def test_nvfp4_more_rows_match_reference(m, n, k, cfg, layout):
+    x, lv, out = _run(m, n, k, cfg, seed=m, layout=layout)
+    _assert_matches("nvfp4", x, lv, out)
+
+
+def test_default_configs_keep_the_measured_small_m_tiles():
+    for m in range(1, 9):
+        assert GM.default_config(m, 248320, 5120) == _CFG(block_n=64, block_k=512, stages=2)
+        want = _CFG(block_n=64, block_k=256, stages=2)
+        assert GM.default_config(m, 248320, 5120, fmt="fp8_row") == want
+    for m in (9, 32, 96, 128):
+        for fmt in ("nvfp4", "fp8_row"):
+            cfg = GM.default_config(m, 248320, 5120, fmt=fmt)
+            assert cfg.block_n * C.round_up(m, 8) // 128 <= 96  # accumulator registers
+    with pytest.raises(ValueError, match="fp4"):
+        GM.default_config(1, 8, 256, fmt="fp4")
+
+
+def _run_fp8(m, n, k, cfg, *, seed=0):
+    rng = np.random.default_rng(seed)
+    q, scale = leaves("fp8_row", n, k, rng)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    qp, sp = GM.prepare_fp8_row_mosaic(q, scale)
+    out = GM.fp8_row_gemv_mosaic(x, qp, sp, n=n, config=cfg, interpret=True)
+    return x, (q, scale), out
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg"),
+    [
+        # Odd N (1021 -> 1024) and K (200 -> 256: zero-padded codes and activations).
+        (1, 1021, 200, _CFG(block_n=64, block_k=256, stages=2)),
+        # Two 128-byte code slabs per step, K tail inside the last step (640 = 512 + 128).
+        (3, 136, 640, _CFG(block_n=64, block_k=512, stages=3)),
+        (8, 64, 512, None),
+        # 128-row CTA over 72 rows, default-width K steps.
+        (40, 72, 384, _CFG(block_n=128, block_k=256, stages=2)),
+        (96, 131, 256, None),
+    ],
+)
+def test_fp8_row_matches_reference(m, n, k, cfg):
+    x, lv, out = _run_fp8(m, n, k, cfg, seed=m * 100 + n)
+    _assert_matches("fp8_row", x, lv, out)
+
+
+def test_decode_tile_fp8_is_exact_and_permuted():
+    codes = _random_fp8_tile(np.random.default_rng(5), 8, 64)
+    got = np.asarray(GM.decode_tile_fp8(jnp.asarray(codes)), np.float64)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    perm = GM._k_permutation("fp8_row")
+    np.testing.assert_array_equal(got, want.reshape(8, -1, 16)[:, :, perm].reshape(8, -1))
+    xs = jnp.arange(64, dtype=jnp.float32)[None]
+    np.testing.assert_array_equal(
+        np.asarray(GM.permute_k(xs, "fp8_row"))[0], np.arange(64).reshape(-1, 16)[:, perm].ravel()
+    )
+
+
+def test_fp8_rejects_unprepared_and_bad_shapes():
+    rng = np.random.default_rng(0)
+    q, scale = leaves("fp8_row", 100, 200, rng)
+    x = jnp.zeros((1, 200), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"N=100, K=200.*prepare_fp8_row_mosaic"):
+        GM.fp8_row_gemv_mosaic(x, q, scale, interpret=True)
+    qp, sp = GM.prepare_fp8_row_mosaic(q, scale)
+    assert qp.shape == (104, 256) and sp.shape == (104,) and qp.dtype == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match="1 <= M <= 128"):
+        GM.fp8_row_gemv_mosaic(jnp.zeros((129, 200), jnp.bfloat16), qp, sp, interpret=True)
+    with pytest.raises(ValueError, match="K=100"):
+        GM.fp8_row_gemv_mosaic(jnp.zeros((1, 100), jnp.bfloat16), qp, sp, interpret=True)
+    with pytest.raises(ValueError, match=r"scale must be \[104\]"):
+        GM.fp8_row_gemv_mosaic(x, qp, sp[:100], interpret=True)
+    with pytest.raises(ValueError, match="n=96"):
+        GM.fp8_row_gemv_mosaic(x, qp, sp, n=96, interpret=True)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        GM.fp8_row_gemv_mosaic(x, qp.astype(jnp.bfloat16), sp, interpret=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,46 +260,81 @@ def _thread_offset(layout, shape, warp, lane):
     return sum((a + b) * s for a, b, s in zip(w, ln, tile_strides))
 
 
+def _random_fp8_tile(rng, rows, b):
+    """uint8[rows, b]: finite E4M3 codes incl. subnormals, zeros and both signs."""
+    v = rng.standard_normal((rows, b)) * 32
+    v[:, ::5] *= 2.0**-10
+    v[:, ::11] = 0.0
+    return np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _replay_pairs(fmt, layout, w, scale_byte):
+    """numpy twin of the GPU decode of one 32-bit code word: its float16 pairs, pair order."""
+    if fmt == "fp8_row":
+        b = np.array([w], "<u4").view(np.uint8)
+        return [
+            b[2 * u : 2 * u + 2].view(ml_dtypes.float8_e4m3fn).astype(np.float16) for u in (0, 1)
+        ]
+    s = np.array([scale_byte], np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float16)[0]
+    pairs = []
+    for terms in GM._DECODE_TERMS[layout]:
+        bits = np.uint32(0)
+        for shift, mask in terms:
+            v = (w << np.uint32(shift)) if shift >= 0 else (w >> np.uint32(-shift))
+            bits |= v & np.uint32(mask)
+        pairs.append(np.array([bits], np.uint32).view(np.float16) * s)
+    return pairs
+
+
 @pytest.mark.parametrize(
-    ("block_n", "block_k", "layout"), [(64, 256, "checkpoint"), (128, 512, "relaid")]
+    ("fmt", "block_n", "tile_bytes", "layout"),
+    [
+        ("nvfp4", 64, 128, "checkpoint"),
+        ("nvfp4", 128, 256, "relaid"),
+        # The FP8 kernel loads its codes one 128-byte swizzle row (two chunks) at a time.
+        ("fp8_row", 64, 128, "checkpoint"),
+        ("fp8_row", 128, 128, "checkpoint"),
+    ],
 )
-def test_register_decode_plan_thread_by_thread(block_n, block_k, layout):
-    """Replay the GPU decode (which registers feed which, the shift/mask terms) for all 128
+def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes, layout):
+    """Replay the GPU decode (which registers feed which, the per-word decode) for all 128
     threads of a warpgroup in numpy and compare with the float64 oracle."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-    rng = np.random.default_rng(block_n)
-    half_k = block_k // 2
-    orig, scale = _random_tile(rng, block_n, half_k)
-    codes = orig if layout == "checkpoint" else np.asarray(GM.relayout_words(jnp.asarray(orig)))
-    perm = GM._k_permutation()
-    want = _f16_oracle(orig, scale).reshape(block_n, -1, 32)[:, :, perm].reshape(block_n, -1)
-    in_origin = GM._register_origins(fa.WGMMA_LAYOUT_8BIT, (block_n, half_k))
+    rng = np.random.default_rng(block_n + tile_bytes)
+    scale = None
+    if fmt == "nvfp4":
+        orig, scale = _random_tile(rng, block_n, tile_bytes)
+        stored = orig
+        if layout != "checkpoint":
+            stored = np.asarray(GM.relayout_words(jnp.asarray(orig)))
+        want = _f16_oracle(orig, scale)
+    else:
+        orig = stored = _random_fp8_tile(rng, block_n, tile_bytes)
+        want = orig.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    perm = GM._k_permutation(fmt)
+    want = want.reshape(block_n, -1, perm.size)[:, :, perm].reshape(block_n, -1)
+    in_origin = GM._register_origins(fa.WGMMA_LAYOUT_8BIT, (block_n, tile_bytes))
     out_origin = GM._register_origins(fa.WGMMA_LAYOUT, (block_n, 64))
     assert fa.WGMMA_LAYOUT_8BIT.vector_length == 4 and fa.WGMMA_LAYOUT.vector_length == 2
-    for chunk in range(block_k // 64):
+    for chunk in range(want.shape[1] // 64):
         got = np.full((block_n, 64), np.nan)
         for warp in range(4):
             for lane in range(32):
-                off_in = _thread_offset(fa.WGMMA_LAYOUT_8BIT, (block_n, half_k), warp, lane)
+                off_in = _thread_offset(fa.WGMMA_LAYOUT_8BIT, (block_n, tile_bytes), warp, lane)
                 off_out = _thread_offset(fa.WGMMA_LAYOUT, (block_n, 64), warp, lane)
-                for reg, slots in GM._chunk_plan(block_n, half_k, chunk):
+                for reg, slots in GM._chunk_plan(block_n, tile_bytes, chunk, fmt):
                     r0, k0 = in_origin[reg]
-                    row, col = divmod(r0 * half_k + k0 + off_in, half_k)
-                    w = np.uint32(codes[row, col : col + 4].view("<u4")[0])
-                    s = scale[row, col // 8 : col // 8 + 1].view(ml_dtypes.float8_e4m3fn)
-                    s = s.astype(np.float16)[0]
+                    row, col = divmod(r0 * tile_bytes + k0 + off_in, tile_bytes)
+                    w = np.uint32(stored[row, col : col + 4].view("<u4")[0])
+                    sb = None if scale is None else scale[row, col // 8]
+                    pairs = _replay_pairs(fmt, layout, w, sb)
                     for out_reg, i in slots:
-                        bits = np.uint32(0)
-                        for shift, mask in GM._DECODE_TERMS[layout][i]:
-                            v = (w << np.uint32(shift)) if shift >= 0 else (w >> np.uint32(-shift))
-                            bits |= v & np.uint32(mask)
-                        pair = np.array([bits], np.uint32).view(np.float16) * s
                         o_r0, o_c0 = out_origin[out_reg]
                         orow, ocol = divmod(o_r0 * 64 + o_c0 + off_out, 64)
                         assert orow == row
                         assert np.all(np.isnan(got[orow, ocol : ocol + 2])), "written twice"
-                        got[orow, ocol : ocol + 2] = pair
+                        got[orow, ocol : ocol + 2] = pairs[i]
         np.testing.assert_array_equal(got, want[:, chunk * 64 : (chunk + 1) * 64])
 
 
@@ -217,8 +366,8 @@ def test_rejects_unprepared_and_bad_shapes():
         GM.nvfp4_gemv_mosaic(x, packed, scale, s2, interpret=True)
     p, s = GM.prepare_nvfp4_mosaic(packed, scale)
     assert p.shape == (104, 256) and s.shape == (104, 32)
-    with pytest.raises(ValueError, match="1 <= M <= 32"):
-        GM.nvfp4_gemv_mosaic(jnp.zeros((33, 272), jnp.bfloat16), p, s, s2, interpret=True)
+    with pytest.raises(ValueError, match="1 <= M <= 128"):
+        GM.nvfp4_gemv_mosaic(jnp.zeros((129, 272), jnp.bfloat16), p, s, s2, interpret=True)
     with pytest.raises(ValueError, match="K=200"):
         GM.nvfp4_gemv_mosaic(jnp.zeros((1, 200), jnp.bfloat16), p, s, s2, interpret=True)
     with pytest.raises(ValueError, match="n=90"):
@@ -233,23 +382,50 @@ def test_rejects_unprepared_and_bad_shapes():
         GM.nvfp4_gemv_mosaic(x, p, s, s2, layout="tiled", interpret=True)
 
 
-def _lower_cuda(m, n, k, cfg, layout="checkpoint"):
-    if layout == "tiled":
-        bn, bk = cfg.block_n, cfg.block_k
-        w_shapes = ((n // bn, k // bk, bn, bk // 2), (n // bn, k // bk, bn, bk // 16))
-    else:
-        w_shapes = ((n, k // 2), (n, k // 16))
-    args = (
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-        jax.ShapeDtypeStruct(w_shapes[0], jnp.uint8),
-        jax.ShapeDtypeStruct(w_shapes[1], jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((), jnp.float32),
-    )
+def _lower_cuda(m, n, k, cfg, layout="checkpoint", fmt="nvfp4"):
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    if fmt == "fp8_row":
+        args = (
+            x,
+            jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+        )
 
-    def f(*a):
-        return GM.nvfp4_gemv_mosaic(*a, layout=layout, config=cfg)
+        def f(*a):
+            return GM.fp8_row_gemv_mosaic(*a, config=cfg)
+
+    else:
+        if layout == "tiled":
+            bn, bk = cfg.block_n, cfg.block_k
+            w_shapes = ((n // bn, k // bk, bn, bk // 2), (n // bn, k // bk, bn, bk // 16))
+        else:
+            w_shapes = ((n, k // 2), (n, k // 16))
+        args = (
+            x,
+            jax.ShapeDtypeStruct(w_shapes[0], jnp.uint8),
+            jax.ShapeDtypeStruct(w_shapes[1], jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((), jnp.float32),
+        )
+
+        def f(*a):
+            return GM.nvfp4_gemv_mosaic(*a, layout=layout, config=cfg)
 
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _lowered_smem_bytes(m, n, k, cfg, fmt="nvfp4"):
+    """Shared memory per CTA as the Mosaic GPU lowering counts it (read off its overflow check
+    with the bound set to 0)."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+
+    bound = mgpu_core._SMEM_SIZE_BOUND
+    mgpu_core._SMEM_SIZE_BOUND = 0
+    try:
+        with pytest.raises(ValueError, match=r"smem_bytes=(\d+)") as err:
+            _lower_cuda(m, n, k, cfg, fmt=fmt)
+    finally:
+        mgpu_core._SMEM_SIZE_BOUND = bound
+    return int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
 
 
 @pytest.mark.parametrize(
@@ -259,6 +435,11 @@ def _lower_cuda(m, n, k, cfg, layout="checkpoint"):
         (2, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=512, stages=4), "checkpoint"),
         (8, 17408, 5120, GM.MosaicGemvConfig(block_n=64, block_k=256, stages=4), "relaid"),
         (16, 1024, 512, GM.MosaicGemvConfig(block_n=256, block_k=512, stages=2), "checkpoint"),
+        # The verify regime and the B=64 propose head on the LM head, default configs.
+        (96, 248320, 5120, None, "checkpoint"),
+        (128, 248320, 5120, None, "checkpoint"),
+        (64, 248320, 5120, None, "relaid"),
+        (96, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=256, stages=2), "tiled"),
     ],
 )
 def test_lowers_for_cuda_on_cpu(m, n, k, cfg, layout):
@@ -270,7 +451,43 @@ def test_lowers_for_cuda_on_cpu(m, n, k, cfg, layout):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [
+        (1, 248320, 5120),
+        (8, 248320, 5120),
+        (96, 248320, 5120),
+        # The MoE LM head, where the Triton FP8 GEMV moved only 2.0 TB/s.
+        (1, 151936, 2048),
+        (8, 151936, 2048),
+    ],
+)
+def test_fp8_lowers_for_cuda_on_cpu(m, n, k):
+    assert "mosaic_gpu" in _lower_cuda(m, n, k, None, fmt="fp8_row")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "m", "want_kb"),
+    [
+        ("nvfp4", 1, 52),  # 2 x (16 KB codes + 2 KB scales + 8 KB x): 4 CTAs per SM
+        ("nvfp4", 32, 68),  # 128 x 256: 2 x (16 + 2 + 16)
+        ("nvfp4", 96, 132),  # 2 x (16 + 2 + 48)
+        ("nvfp4", 128, 146),  # 64 x 256: 2 x (8 + 1 + 64)
+        ("fp8_row", 1, 40),  # 2 x (16 KB codes + 4 KB x): 5 CTAs per SM
+        ("fp8_row", 96, 160),  # 128 x 256: 2 x (32 + 48)
+    ],
+)
+def test_default_configs_fit_shared_memory(fmt, m, want_kb):
+    """The defaults' shared memory per CTA, as the lowering counts it (H100/H200: 227 KB)."""
+    cfg = GM.default_config(m, 248320, 5120, fmt=fmt)
+    got = _lowered_smem_bytes(m, 248320, 5120, cfg, fmt)
+    assert want_kb * 1024 <= got < (want_kb + 1) * 1024
+
+
 def test_lowering_reports_shared_memory_overflow():
     cfg = GM.MosaicGemvConfig(block_n=256, block_k=2048, stages=4)
     with pytest.raises(ValueError, match="shared memory"):
         _lower_cuda(1, 1024, 2048, cfg)
+    cfg = GM.MosaicGemvConfig(block_n=64, block_k=512, stages=2)  # x alone: 2 x 128 KB
+    with pytest.raises(ValueError, match="shared memory"):
+        _lower_cuda(128, 1024, 2048, cfg, fmt="fp8_row")
