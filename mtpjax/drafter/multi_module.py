@@ -539,7 +539,19 @@ def prefill_multi(
     )
 
 
-def _propose_multi(
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "cfg",
+        "num_drafts",
+        "hidden_contract",
+        "head_cfg",
+        "return_logits",
+        "implementation",
+    ),
+    donate_argnames=("state",),
+)
+def propose_multi(
     params: MultiDrafterParams,
     head: LMHeadParams,
     state: MultiDrafterState,
@@ -554,6 +566,28 @@ def _propose_multi(
     return_logits: bool = False,
     implementation="auto",
 ) -> tuple[ProposeOutput, MultiDrafterState]:
+    """``propose`` for N modules: module 0 writes the window, then the modules chain K drafts.
+
+    Args:
+      params: ``MultiDrafterParams`` (its ``schedule`` picks the module of each step);
+        ``len(params.modules)`` must equal ``cfg.num_mtp_modules``.
+      head: the target's embedding / LM head, shared by every module.
+      state: ``MultiDrafterState``; donated.
+      inputs: ``Pairs`` windows, as for ``propose`` (module 0 writes the pairs past its
+        ``last_pair_key``; the last pair is the anchor).
+      cfg: static config shared by the modules. num_drafts: static; K = ``effective_num_drafts``
+        (CLAMP: ``min(num_drafts, N)``; CYCLE: a multiple of N, else ValueError).
+      hidden_contract, confidence_threshold, head_cfg, return_logits, implementation: as for
+        ``propose``.
+      bitmask: packed int32[B, W] or per draft [B, K, W] (``[B, num_drafts, W]`` is accepted
+        and cut to the first K).
+
+    Returns:
+      ``ProposeOutput`` with ``[B, K]`` drafts (same meaning as ``propose``'s; ``hidden[:, s]``
+      is what step s handed to the row of step s + 1), and the new state: the modules that ran
+      have ``last_num_drafted`` = rows they wrote and ``last_pair_key`` = their newest key; the
+      round's K is recorded for ``after_verify_multi``. Inactive sequences are untouched.
+    """
     check_runnable(cfg)
     head_cfg = resolve_head_cfg(cfg, head_cfg)
     N = _check_params(params, cfg)
@@ -689,68 +723,3 @@ def _propose_multi(
         last_num_drafted=jnp.where(active, K, state.last_num_drafted).astype(jnp.int32),
     )
     return output, new_state
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "cfg",
-        "num_drafts",
-        "hidden_contract",
-        "head_cfg",
-        "return_logits",
-        "implementation",
-    ),
-    donate_argnames=("state",),
-)
-def propose_multi(
-    params: MultiDrafterParams,
-    head: LMHeadParams,
-    state: MultiDrafterState,
-    inputs: Pairs,
-    *,
-    cfg: DrafterConfig,
-    num_drafts: int,
-    hidden_contract: HiddenContract = HiddenContract.POST_NORM,
-    bitmask: jax.Array | None = None,
-    confidence_threshold: float | jax.Array | None = None,
-    head_cfg: LMHeadConfig | None = None,
-    return_logits: bool = False,
-    implementation="auto",
-) -> tuple[ProposeOutput, MultiDrafterState]:
-    """``propose`` for N modules: module 0 writes the window, then the modules chain K drafts.
-
-    Args:
-      params: ``MultiDrafterParams`` (its ``schedule`` picks the module of each step);
-        ``len(params.modules)`` must equal ``cfg.num_mtp_modules``.
-      head: the target's embedding / LM head, shared by every module.
-      state: ``MultiDrafterState``; donated.
-      inputs: ``Pairs`` windows, as for ``propose`` (module 0 writes the pairs past its
-        ``last_pair_key``; the last pair is the anchor).
-      cfg: static config shared by the modules. num_drafts: static; K = ``effective_num_drafts``
-        (CLAMP: ``min(num_drafts, N)``; CYCLE: a multiple of N, else ValueError).
-      hidden_contract, confidence_threshold, head_cfg, return_logits, implementation: as for
-        ``propose``.
-      bitmask: packed int32[B, W] or per draft [B, K, W] (``[B, num_drafts, W]`` is accepted
-        and cut to the first K).
-
-    Returns:
-      ``ProposeOutput`` with ``[B, K]`` drafts (same meaning as ``propose``'s; ``hidden[:, s]``
-      is what step s handed to the row of step s + 1), and the new state: the modules that ran
-      have ``last_num_drafted`` = rows they wrote and ``last_pair_key`` = their newest key; the
-      round's K is recorded for ``after_verify_multi``. Inactive sequences are untouched.
-    """
-    return _propose_multi(
-        params,
-        head,
-        state,
-        inputs,
-        cfg=cfg,
-        num_drafts=num_drafts,
-        hidden_contract=hidden_contract,
-        bitmask=bitmask,
-        confidence_threshold=confidence_threshold,
-        head_cfg=head_cfg,
-        return_logits=return_logits,
-        implementation=implementation,
-    )
