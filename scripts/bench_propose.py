@@ -773,6 +773,26 @@ class Bench:
             else:
                 self.two_gpu_section(cfg, head_cfg, params, head, pool_cfgs, base, jobs, kc)
 
+    def state_key(self, b: int) -> jax.Array:
+        """The key of the KV rows of every B-sequence state: the same rows at any pool size."""
+        return jax.random.fold_in(self.key, 1000 + b)
+
+    def seeded_state(self, pool_cfg, b: int) -> DrafterState:
+        """B sequences holding ``--context`` rows, as every timing loop of batch B starts."""
+        return filled_state(
+            self.state_key(b), pool_cfg=pool_cfg, num_seqs=b, context=self.a.context
+        )
+
+    def seeded_pairs(self, cfg, k: int, b: int) -> drafter.Pairs:
+        """The propose window of every (K, B) timing loop."""
+        return make_pairs(
+            jax.random.fold_in(self.key, 2000 + 10 * b + k),
+            cfg,
+            k=k,
+            batch=b,
+            context=self.a.context,
+        )
+
     def point(self, cfg, head_cfg, params, head, pool_cfgs, base, jobs, plan, k, b) -> None:
         a = self.a
         rec = dict(kind="propose", **base, k=k, batch=b, impl="auto", iters=a.iters)
@@ -810,12 +830,8 @@ class Bench:
         )
 
         # Auto, then the XLA baseline, each with its verify.
-        key = self.key
-        state_key = jax.random.fold_in(key, 1000 + b)
-        pairs = make_pairs(
-            jax.random.fold_in(key, 2000 + 10 * b + k), cfg, k=k, batch=b, context=a.context
-        )
-        th = normal_f32(jax.random.fold_in(key, 3000 + b), (b, k + 1, cfg.hidden_size))
+        pairs = self.seeded_pairs(cfg, k, b)
+        th = normal_f32(jax.random.fold_in(self.key, 3000 + b), (b, k + 1, cfg.hidden_size))
         for impl in ("auto", "xla"):
             pkey, vkey = ("propose", "verify") if impl == "auto" else ("propose_xla", "verify_xla")
             if pkey not in plan:
@@ -824,9 +840,7 @@ class Bench:
             if pj.compiled is None or vj.compiled is None:
                 rec[f"{impl}_error"] = pj.error or vj.error
                 continue
-            state = filled_state(
-                state_key, pool_cfg=pool_cfgs[(b, 1)], num_seqs=b, context=a.context
-            )
+            state = self.seeded_state(pool_cfgs[(b, 1)], b)
             res = time_rounds(
                 pj.compiled,
                 vj.compiled,
@@ -841,9 +855,8 @@ class Bench:
             )
             prefix = "" if impl == "auto" else "xla_"
             if impl == "auto":  # the same executable back to back: what the device itself takes
-                fresh = filled_state(  # time_rounds consumed (donated) the state above
-                    state_key, pool_cfg=pool_cfgs[(b, 1)], num_seqs=b, context=a.context
-                )
+                # time_rounds consumed (donated) the state above.
+                fresh = self.seeded_state(pool_cfgs[(b, 1)], b)
                 rec["pipelined_us"] = time_pipelined(
                     pj.compiled, params, head, fresh, pairs, iters=a.iters
                 )
@@ -897,16 +910,8 @@ class Bench:
         if not ok:
             self.skip(f"{base['head']} 10x pool", msg)
             return
-        key = self.key
-        pairs = make_pairs(
-            jax.random.fold_in(key, 2000 + 10 * b + k), cfg, k=k, batch=b, context=a.context
-        )
-        state = filled_state(
-            jax.random.fold_in(key, 1000 + b),
-            pool_cfg=pool_cfgs[(b, 10)],
-            num_seqs=b,
-            context=a.context,
-        )
+        pairs = self.seeded_pairs(cfg, k, b)
+        state = self.seeded_state(pool_cfgs[(b, 10)], b)
         res = time_rounds(
             job.compiled,
             None,
@@ -950,12 +955,7 @@ class Bench:
         del state
         # The same executable's pool, timed by the same loop.
         if one is not None and one.compiled is not None:
-            state = filled_state(
-                jax.random.fold_in(key, 1000 + b),
-                pool_cfg=pool_cfgs[(b, 1)],
-                num_seqs=b,
-                context=a.context,
-            )
+            state = self.seeded_state(pool_cfgs[(b, 1)], b)
             res1 = time_rounds(
                 one.compiled,
                 None,
@@ -982,19 +982,9 @@ class Bench:
         if self.gpu and dev == "cpu":
             self.meta["notes"].append("torch has no CUDA device here: PyTorch baseline on CPU")
         dims = ref.Dims.from_config(cfg)
-        key = self.key
 
         def inputs(k, b, pool_f=1):
-            state = filled_state(
-                jax.random.fold_in(key, 1000 + b),
-                pool_cfg=pool_cfgs[(b, pool_f)],
-                num_seqs=b,
-                context=a.context,
-            )
-            pairs = make_pairs(
-                jax.random.fold_in(key, 2000 + 10 * b + k), cfg, k=k, batch=b, context=a.context
-            )
-            return state, pairs
+            return self.seeded_state(pool_cfgs[(b, pool_f)], b), self.seeded_pairs(cfg, k, b)
 
         def torch_kv(state, capacity, dtype):
             kk, vv = jax.block_until_ready(held_rows(state.kv, a.context))
@@ -1194,14 +1184,10 @@ class Bench:
                 )
                 # The one-GPU point's rows: sequences 0..B/2-1 on one device, the rest on the
                 # other.
-                halves = jax.vmap(f, in_axes=(None, 0))(
-                    jax.random.fold_in(key, 1000 + b), jnp.array([0, half])
-                )
+                halves = jax.vmap(f, in_axes=(None, 0))(self.state_key(b), jnp.array([0, half]))
                 states = jax.device_put(halves, NamedSharding(dp, P("dp")))
                 # The one-GPU point's pairs, split in two halves of B/2 sequences.
-                pairs = make_pairs(
-                    jax.random.fold_in(key, 2000 + 10 * b + k), cfg, k=k, batch=b, context=a.context
-                )
+                pairs = self.seeded_pairs(cfg, k, b)
                 pairs = jax.tree.map(lambda t, h=half: t.reshape(2, h, *t.shape[1:]), pairs)
                 pairs = jax.device_put(pairs, NamedSharding(dp, P("dp")))
                 c = _compile(fn, (params2, head2, states, pairs), opts)
@@ -1228,19 +1214,8 @@ class Bench:
                 # One GPU, all B sequences, timed by the same loop (no verify in between).
                 one = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1, False))
                 if one is not None and one.compiled is not None:
-                    state = filled_state(
-                        jax.random.fold_in(key, 1000 + b),
-                        pool_cfg=pool_cfgs[(b, 1)],
-                        num_seqs=b,
-                        context=a.context,
-                    )
-                    pairs1 = make_pairs(
-                        jax.random.fold_in(key, 2000 + 10 * b + k),
-                        cfg,
-                        k=k,
-                        batch=b,
-                        context=a.context,
-                    )
+                    state = self.seeded_state(pool_cfgs[(b, 1)], b)
+                    pairs1 = self.seeded_pairs(cfg, k, b)
                     res1 = time_rounds(
                         one.compiled,
                         None,
