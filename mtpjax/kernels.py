@@ -109,12 +109,16 @@ def _many_rows_kernel(fmt: WeightFormat):
     def run(x: jax.Array, w: Weight, *, out_dtype, interpret: bool) -> jax.Array:
         if dot_in_xla:
             return _bf16_operands_dot(x, w).astype(out_dtype)
+        m = x.shape[0]
         xb = x.astype(jnp.bfloat16)
-        chunks = [
-            gemv(xb[r : r + GEMV_CHUNK_ROWS], *leaves(w), interpret=interpret)
-            for r in range(0, x.shape[0], GEMV_CHUNK_ROWS)
-        ]
-        return jnp.concatenate(chunks, axis=0).astype(out_dtype)
+        if m <= GEMV_CHUNK_ROWS:
+            return gemv(xb, *leaves(w), interpret=interpret).astype(out_dtype)
+        # One kernel in a loop over 32-row chunks (zero rows pad the last), not one call per
+        # chunk unrolled into the program: a prefill-sized M stays one kernel to compile.
+        chunks = jnp.pad(xb, ((0, -m % GEMV_CHUNK_ROWS), (0, 0)))
+        chunks = chunks.reshape(-1, GEMV_CHUNK_ROWS, x.shape[1])
+        y = jax.lax.map(lambda c: gemv(c, *leaves(w), interpret=interpret), chunks)
+        return y.reshape(-1, w.out_features)[:m].astype(out_dtype)
 
     return run
 
