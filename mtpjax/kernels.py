@@ -1,24 +1,32 @@
 """Wires the Pallas GPU kernels of `pallas_kernels/` into `linear` and the LM head.
 
-`linear` serves 1 row (GEMV) and 2..8 rows (batched GEMV, the weight streamed once) from the
-Pallas GEMV kernels (NVFP4: the Mosaic GPU tensor-core kernel where the shape allows). Nine rows and more (a batch of sequences, a verify-wide window, MoE
-experts over every row) cannot use the verify GEMM, which reads a transposed copy that only the
-LM head keeps (`LMHeadParams.verify_weight`; the head's verify tier calls it). They take the
-tensor cores on BF16 operands with F32 accumulation instead:
+Which kernel a ``[N, K]`` weight and ``M`` rows of activations get on the GPU (all measured on
+the H200 LM head, `benchmarks/results/kernels_mosaic_rows_fp8_h200.json`):
 
-* BF16 and FP8 per-row weights: one XLA dot on BF16 operands (FP8 widened to BF16 inside the
-  dot's fusion, the per-row scale applied after), so the weight is read once at any row count;
-* NVFP4 and FP8 block-128: the batched GEMV kernel over chunks of 32 rows, one weight pass per
-  chunk. XLA has no fused decode for these formats: its dequantise-then-dot path writes and
-  re-reads the weight in BF16 and was 8x slower than a GEMV pass on the H200.
+* NVFP4 and FP8 per-row weights whose shape suits the TMA copies (N % 8 == 0; K % 256 == 0
+  for NVFP4, K % 128 == 0 for FP8 — every real projection and head): the Mosaic GPU
+  tensor-core GEMV at every row count, up to 128 rows per call and a loop over 128-row chunks
+  beyond, reading the row-major weight once per call. One kernel family for every row count also means a row's logits do not
+  depend on how many rows share the call (decode, verify and a batch score it alike).
+* BF16: the Triton GEMV for 1..8 rows; from 9 rows one XLA dot on BF16 operands.
+* FP8 block-128, and NVFP4/FP8 of other shapes: the Triton GEMV for up to 32 rows, a loop over
+  32-row chunks beyond (FP8 per-row of other shapes: the XLA BF16-operand dot from 9 rows,
+  FP8 widened to BF16 inside the dot's fusion and the per-row scale applied after). XLA has
+  no fused decode for these formats: its dequantise-then-dot path writes and re-reads the
+  weight in BF16 and was 8x slower than a GEMV pass.
+
+The LM head's verify tier (the Triton verify GEMM on the transposed copy that
+``with_verify_copy`` builds) is registered for every format with ``auto=False``: the row-major
+paths above measured faster at verify widths on the H200 LM head
+(`benchmarks/results/linear_h200.json`, 96 rows: NVFP4 627 us against 2357 on the copy, FP8 631
+against 1597, FP8 block-128 1567 against 2122, BF16's XLA dot 682 against 882), so the default
+tier choice never reads a copy; ``tier="verify_gemm"`` still runs the kernel.
 
 The XLA reference computes F32 activations in F32 at HIGHEST precision (exact on the CPU, and
-FFMA-bound on a GPU); the kernels round activations to BF16 on the way in, like every kernel
-here. Importing `mtpjax` registers everything once.
-
-The kernels take BF16 activations (W4A16 / W8A16 / BF16 GEMVs): F32 activations are rounded to
-BF16 on the way in, so a forced Pallas path agrees with the F32 XLA path to BF16 activation
-rounding, not bit for bit.
+FFMA-bound on a GPU); the kernels take BF16 activations (W4A16 / W8A16 / BF16): F32
+activations are rounded to BF16 on the way in, so a forced Pallas path agrees with the F32
+XLA path to BF16 activation rounding, not bit for bit. Importing `mtpjax` registers
+everything once.
 """
 
 from __future__ import annotations
@@ -38,29 +46,22 @@ from mtpjax.weights import (
     registered_kernels,
 )
 
-
-def _nvfp4_gemv(x, packed, scale, scale_2, *, interpret: bool) -> jax.Array:
-    """NVFP4 GEMV: the Mosaic GPU tensor-core kernel where the checkpoint layout suits its TMA
-    copies (N % 8 == 0, K % 256 == 0: every real projection and head), else the Triton one.
-    On the H200 LM head the Mosaic kernel took 266 us at M=1 against Triton's 359, and stays
-    flat up to M=8 (Triton: 515 us) because the MMA, not the ALUs, does the multiply-adds."""
-    n, k = packed.shape[0], packed.shape[1] * 2
-    if n % pk.MOSAIC_N_ALIGN == 0 and k % pk.MOSAIC_K_ALIGN == 0:
-        # The tile every row count up to 32 ran with in the H200 propose benchmark; the wider
-        # tiles the kernel's own heuristic picks above 8 rows are not measured yet.
-        cfg = pk.MosaicGemvConfig(
-            block_n=64, block_k=512 if k >= 512 else pk.MOSAIC_K_ALIGN, stages=2
-        )
-        return pk.nvfp4_gemv_mosaic(x, packed, scale, scale_2, config=cfg, interpret=interpret)
-    return pk.nvfp4_gemv(x, packed, scale, scale_2, interpret=interpret)
-
-
-# Per format: the GEMV kernel and the weight's leaves in the kernel's argument order.
+# Per format: the Triton GEMV kernel and the weight's leaves in the kernel's argument order.
 _GEMVS: dict[WeightFormat, tuple[Callable, Callable[[Weight], tuple[jax.Array, ...]]]] = {
     WeightFormat.BF16: (pk.bf16_gemv, lambda w: (w.w,)),
     WeightFormat.FP8: (pk.fp8_row_gemv, lambda w: (w.q, w.scale)),
     WeightFormat.FP8_BLOCK: (pk.fp8_block_gemv, lambda w: (w.q, w.scale_inv)),
-    WeightFormat.NVFP4: (_nvfp4_gemv, lambda w: (w.packed, w.scale, w.scale_2)),
+    WeightFormat.NVFP4: (pk.nvfp4_gemv, lambda w: (w.packed, w.scale, w.scale_2)),
+}
+
+# Per format whose Mosaic GEMV exists: the kernel, its leaves and its K granularity.
+_MOSAIC_GEMVS: dict[WeightFormat, tuple[Callable, Callable[[Weight], tuple], int]] = {
+    WeightFormat.FP8: (pk.fp8_row_gemv_mosaic, lambda w: (w.q, w.scale), pk.MOSAIC_FP8_K_ALIGN),
+    WeightFormat.NVFP4: (
+        pk.nvfp4_gemv_mosaic,
+        lambda w: (w.packed, w.scale, w.scale_2),
+        pk.MOSAIC_K_ALIGN,
+    ),
 }
 
 _VERIFY_GEMMS: dict[WeightFormat, tuple[Callable, Callable]] = {
@@ -70,15 +71,79 @@ _VERIFY_GEMMS: dict[WeightFormat, tuple[Callable, Callable]] = {
     WeightFormat.NVFP4: (pk.verify_gemm_nvfp4, lambda vw: (vw.packed_t, vw.scale_t, vw.scale_2)),
 }
 
+def mosaic_tiles(rows: int, k: int, fmt: WeightFormat) -> pk.MosaicGemvConfig:
+    """The Mosaic GEMV tile for ``rows`` (<= 128) rows of a K-wide weight of ``fmt``.
 
-def _gemv_kernel(fmt: WeightFormat):
-    kernel, leaves = _GEMVS[fmt]
+    Measured on the H200 LM head (`kernels_mosaic_rows_fp8_h200.json`, checkpoint layout):
+    up to 8 rows, 64-row CTAs with 2 stages let several CTAs share an SM (NVFP4 64x512: 243 us
+    at M=1; FP8 64x256: 376 us); to 32 rows 64x256 (NVFP4 16 rows: 282 us against 302 for
+    128-row CTAs; FP8 32 rows: 403 against 422); above, 128x256 halves the activation traffic
+    per weight row (NVFP4 64 rows: 420 against 473, 128 rows: 693 against 761; FP8 96 rows:
+    714 against 817).
+    """
+    if rows <= 8:
+        block_n, block_k = 64, (512 if fmt is WeightFormat.NVFP4 else 256)
+    else:
+        block_n, block_k = (64 if rows <= 32 else 128), 256
+    return pk.MosaicGemvConfig(block_n=block_n, block_k=min(block_k, max(256, k)), stages=2)
 
-    def run(x: jax.Array, w: Weight, *, out_dtype, interpret: bool) -> jax.Array:
-        y = kernel(x.astype(jnp.bfloat16), *leaves(w), interpret=interpret)
-        return y.astype(out_dtype)
 
-    return run
+def _takes_mosaic(w: Weight) -> bool:
+    """Whether ``w`` has a Mosaic GEMV and a shape its TMA copies take."""
+    if w.format not in _MOSAIC_GEMVS:
+        return False
+    k_align = _MOSAIC_GEMVS[w.format][2]
+    return w.out_features % pk.MOSAIC_N_ALIGN == 0 and w.in_features % k_align == 0
+
+
+def _row_kernel(w: Weight, interpret: bool) -> tuple[Callable[[jax.Array], jax.Array], int]:
+    """The GEMV kernel for ``w`` as ``bf16[M, K] -> f32[M, N]``, and its most rows per call."""
+    if _takes_mosaic(w):
+        kernel, leaves, _ = _MOSAIC_GEMVS[w.format]
+
+        def mosaic(xb: jax.Array) -> jax.Array:
+            cfg = mosaic_tiles(xb.shape[0], w.in_features, w.format)
+            return kernel(xb, *leaves(w), config=cfg, interpret=interpret)
+
+        return mosaic, pk.MOSAIC_MAX_ROWS
+    kernel, leaves = _GEMVS[w.format]
+    return lambda xb: kernel(xb, *leaves(w), interpret=interpret), pk.GEMV_MAX_ROWS
+
+
+def _in_row_chunks(kernel: Callable, xb: jax.Array, chunk: int, n: int) -> jax.Array:
+    """``kernel`` over ``xb: [M, K]`` in chunks of at most ``chunk`` rows -> ``[M, n]``.
+
+    One kernel in a loop over the chunks (zero rows pad the last), not one call per chunk
+    unrolled into the program: a prefill-sized M stays one kernel to compile.
+    """
+    m = xb.shape[0]
+    if m <= chunk:
+        return kernel(xb)
+    chunks = jnp.pad(xb, ((0, -m % chunk), (0, 0))).reshape(-1, chunk, xb.shape[1])
+    return jax.lax.map(kernel, chunks).reshape(-1, n)[:m]
+
+
+def _gemv_kernel(x: jax.Array, w: Weight, *, out_dtype, interpret: bool) -> jax.Array:
+    """1..8 rows: one GEMV call, the weight streamed once for all rows."""
+    kernel, _ = _row_kernel(w, interpret)
+    return kernel(x.astype(jnp.bfloat16)).astype(out_dtype)
+
+
+def _bf16_operands_dot(x: jax.Array, w: Weight) -> jax.Array:
+    """``x @ w.T`` on BF16 operands with F32 accumulation: f32[M, N] (BF16 and FP8 per-row)."""
+    xb = x.astype(jnp.bfloat16)
+    wb = w.w if w.format is WeightFormat.BF16 else w.q.astype(jnp.bfloat16)  # FP8 is exact in BF16
+    y = jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y if w.format is WeightFormat.BF16 else y * w.scale
+
+
+def _many_rows_kernel(x: jax.Array, w: Weight, *, out_dtype, interpret: bool) -> jax.Array:
+    """9 rows and more: the GEMV kernel over row chunks, or one BF16-operand XLA dot."""
+    if w.format is WeightFormat.BF16 or (w.format is WeightFormat.FP8 and not _takes_mosaic(w)):
+        return _bf16_operands_dot(x, w).astype(out_dtype)
+    kernel, chunk = _row_kernel(w, interpret)
+    y = _in_row_chunks(kernel, x.astype(jnp.bfloat16), chunk, w.out_features)
+    return y.astype(out_dtype)
 
 
 def _verify_kernel(fmt: WeightFormat):
@@ -90,46 +155,13 @@ def _verify_kernel(fmt: WeightFormat):
     return run
 
 
-#: Rows per batched-GEMV pass in the many-rows regimes (the kernel's ceiling).
-GEMV_CHUNK_ROWS = pk.GEMV_MAX_ROWS
-
-
-def _bf16_operands_dot(x: jax.Array, w: Weight) -> jax.Array:
-    """``x @ w.T`` on BF16 operands with F32 accumulation: f32[M, N] (BF16 and FP8 per-row)."""
-    xb = x.astype(jnp.bfloat16)
-    wb = w.w if w.format is WeightFormat.BF16 else w.q.astype(jnp.bfloat16)  # FP8 is exact in BF16
-    y = jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y if w.format is WeightFormat.BF16 else y * w.scale
-
-
-def _many_rows_kernel(fmt: WeightFormat):
-    gemv, leaves = _GEMVS[fmt]
-    dot_in_xla = fmt in (WeightFormat.BF16, WeightFormat.FP8)
-
-    def run(x: jax.Array, w: Weight, *, out_dtype, interpret: bool) -> jax.Array:
-        if dot_in_xla:
-            return _bf16_operands_dot(x, w).astype(out_dtype)
-        m = x.shape[0]
-        xb = x.astype(jnp.bfloat16)
-        if m <= GEMV_CHUNK_ROWS:
-            return gemv(xb, *leaves(w), interpret=interpret).astype(out_dtype)
-        # One kernel in a loop over 32-row chunks (zero rows pad the last), not one call per
-        # chunk unrolled into the program: a prefill-sized M stays one kernel to compile.
-        chunks = jnp.pad(xb, ((0, -m % GEMV_CHUNK_ROWS), (0, 0)))
-        chunks = chunks.reshape(-1, GEMV_CHUNK_ROWS, x.shape[1])
-        y = jax.lax.map(lambda c: gemv(c, *leaves(w), interpret=interpret), chunks)
-        return y.reshape(-1, w.out_features)[:m].astype(out_dtype)
-
-    return run
-
-
 def register_pallas_kernels() -> None:
     """Registers every Pallas kernel; calling it again is a no-op."""
     if any(k[0] is WeightFormat.BF16 for k in registered_kernels()):
         return
     for fmt in _GEMVS:
         for regime in (RowsRegime.GEMV, RowsRegime.BATCHED_GEMV):
-            register_kernel(fmt, regime, _gemv_kernel(fmt))
+            register_kernel(fmt, regime, _gemv_kernel)
         for regime in (RowsRegime.TILE_GEMM, RowsRegime.GEMM):
-            register_kernel(fmt, regime, _many_rows_kernel(fmt))
-        register_verify_kernel(fmt, _verify_kernel(fmt))
+            register_kernel(fmt, regime, _many_rows_kernel)
+        register_verify_kernel(fmt, _verify_kernel(fmt), auto=False)

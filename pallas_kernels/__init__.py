@@ -1,15 +1,15 @@
-"""Pallas GPU kernels (Triton lowering; the NVFP4 GEMV also through Mosaic GPU) with pure-``jnp``
-reference twins.
+"""Pallas GPU kernels (Triton lowering; the NVFP4 and FP8 per-row GEMVs also through Mosaic GPU)
+with pure-``jnp`` reference twins.
 
 Every public kernel takes raw arrays (the DESIGN §3 weight leaves), an optional frozen tile
 config and ``interpret: bool`` (True runs the same kernel on the CPU); its ``*_reference`` twin has
 the same signature, accumulates in F32 and is both the fallback and the test oracle. Use
 :func:`gpu_available` to decide between them.
 
-Row-count dispatch for a projection (DESIGN §7): 1..8 rows (and 16, 32) -> ``gemv`` kernels, which
-stream the weight once for all rows; 9..96 rows -> ``verify_gemm`` on the transposed padded copy
-(:func:`make_transposed`), which only the LM head keeps; `mtpjax.kernels` serves the other
-projections' many-row regimes from BF16 tensor-core dots and chunked batched GEMVs.
+Kernel families: ``gemv`` (Triton; 1..32 rows, the weight streamed once for all rows),
+``gemv_mosaic`` (Mosaic GPU ``wgmma``; NVFP4 and FP8 per-row, 1..128 rows), ``verify_gemm``
+(Triton; 9..96 rows on the transposed padded copy of :func:`make_transposed`), ``argmax`` and
+``paged_attention``. Which one a projection gets on the GPU is `mtpjax.kernels`' choice.
 """
 
 from pallas_kernels._common import gpu_available
@@ -26,11 +26,15 @@ from pallas_kernels.gemv import (
     nvfp4_gemv,
     nvfp4_gemv_reference,
 )
+from pallas_kernels.gemv_mosaic import FP8_K_ALIGN as MOSAIC_FP8_K_ALIGN
 from pallas_kernels.gemv_mosaic import K_ALIGN as MOSAIC_K_ALIGN
+from pallas_kernels.gemv_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
 from pallas_kernels.gemv_mosaic import N_ALIGN as MOSAIC_N_ALIGN
 from pallas_kernels.gemv_mosaic import (
     MosaicGemvConfig,
+    fp8_row_gemv_mosaic,
     nvfp4_gemv_mosaic,
+    prepare_fp8_row_mosaic,
     prepare_nvfp4_mosaic,
 )
 from pallas_kernels.paged_attention import (
@@ -53,7 +57,9 @@ from pallas_kernels.verify_gemm import (
 
 __all__ = [
     "GEMV_MAX_ROWS",
+    "MOSAIC_FP8_K_ALIGN",
     "MOSAIC_K_ALIGN",
+    "MOSAIC_MAX_ROWS",
     "MOSAIC_N_ALIGN",
     "ArgmaxConfig",
     "GemvConfig",
@@ -67,6 +73,7 @@ __all__ = [
     "fp8_block_gemv",
     "fp8_block_gemv_reference",
     "fp8_row_gemv",
+    "fp8_row_gemv_mosaic",
     "fp8_row_gemv_reference",
     "gpu_available",
     "make_transposed",
@@ -75,6 +82,7 @@ __all__ = [
     "nvfp4_gemv_reference",
     "paged_attention",
     "paged_attention_reference",
+    "prepare_fp8_row_mosaic",
     "prepare_nvfp4_mosaic",
     "verify_gemm_bf16",
     "verify_gemm_bf16_reference",

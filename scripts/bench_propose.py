@@ -106,6 +106,7 @@ from mtpjax.head import (  # noqa: E402
     lm_head,
     shard_lm_head,
     sharded_lm_head,
+    verify_copy_used,
 )
 from mtpjax.kv import (  # noqa: E402
     DrafterState,
@@ -634,7 +635,10 @@ class Bench:
         t_init = time.perf_counter()
         params = drafter.init(cfg, key=jax.random.fold_in(key, 1), precision=dprec)
         head = init_lm_head(
-            head_cfg, key=jax.random.fold_in(key, 2), precision=hprec, verify_copy=True
+            head_cfg,
+            key=jax.random.fold_in(key, 2),
+            precision=hprec,
+            verify_copy=verify_copy_used(hprec),
         )
         _sync((params, head))
         init_s = time.perf_counter() - t_init

@@ -31,7 +31,7 @@ import bench_propose as bp  # noqa: E402
 import jax  # noqa: E402
 
 from mtpjax import drafter  # noqa: E402
-from mtpjax.head import init_lm_head  # noqa: E402
+from mtpjax.head import init_lm_head, verify_copy_used  # noqa: E402
 
 
 def parse_point(text: str) -> tuple[str, str, int, int, str]:
@@ -86,7 +86,12 @@ def build(head: str, prec: str, k: int, b: int, context: int, smoke: bool = Fals
     dprec, hprec = bp.PRECISIONS[prec]
     key = jax.random.key(0)
     params = drafter.init(cfg, key=jax.random.fold_in(key, 1), precision=dprec)
-    lm = init_lm_head(head_cfg, key=jax.random.fold_in(key, 2), precision=hprec, verify_copy=True)
+    lm = init_lm_head(
+        head_cfg,
+        key=jax.random.fold_in(key, 2),
+        precision=hprec,
+        verify_copy=verify_copy_used(hprec),
+    )
     pool_cfg = drafter.pool_config(cfg, precision=dprec, max_seq_len=context + k + 1, max_seqs=b)
     state = bp.filled_state(key, pool_cfg=pool_cfg, num_seqs=b, context=context)
     pairs = bp.make_pairs(key, cfg, k=k, batch=b, context=context)

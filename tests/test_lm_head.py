@@ -364,23 +364,40 @@ def test_verify_kernel_seam_reads_the_copy_and_never_its_padding(fmt, oracle_ker
         verify_weight=_poison_padding(params.verify_weight),
     )
     x = _hidden("bfloat16")[:40]
-    got = lm_head(poisoned, x, cfg=CFG, implementation="pallas")
+    got = lm_head(poisoned, x, cfg=CFG, tier="verify_gemm", implementation="pallas")
     assert oracle_kernels == [((40, H), type(params.verify_weight).__name__, V, True)]
     assert got.shape == (40, V) and np.isfinite(np.asarray(got)).all()
     _assert_within(got, *_reference(x, params.weight))
     cfg = LMHeadConfig(vocab_size=V, hidden_size=H, draft_vocab_size=V_DRAFT)
-    assert lm_head(poisoned, x, cfg=cfg, draft=True, implementation="pallas").shape == (40, V_DRAFT)
+    draft = lm_head(poisoned, x, cfg=cfg, draft=True, tier="verify_gemm", implementation="pallas")
+    assert draft.shape == (40, V_DRAFT)
     assert oracle_kernels[-1][2] == V_DRAFT
     # Off-GPU, "auto" keeps the XLA path: the registered kernel is not called.
     lm_head(params, x[:41], cfg=CFG)
     assert len(oracle_kernels) == 2
 
 
+def test_default_tier_reads_the_copy_only_for_auto_verify_kernels(oracle_kernels, monkeypatch):
+    # The registration mtpjax.kernels makes: every format verifies faster from the row-major
+    # weight, so no copy is worth building for the default tiers.
+    assert not any(lm_head_module.verify_copy_used(f) for f in WeightFormat)
+    monkeypatch.setattr(lm_head_module, "_FORCED_ONLY", {WeightFormat.BF16})
+    x = _hidden("bfloat16")[:37]
+    gemm = lm_head(_params("bf16"), x, cfg=CFG, tier="gemm", implementation="pallas")
+    got = lm_head(_params("bf16"), x, cfg=CFG, implementation="pallas")
+    assert oracle_kernels == []  # BF16 is forced-only here: the row-major GEMM tier ran
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(gemm))
+    lm_head(_params("bf16"), x, cfg=CFG, tier="verify_gemm", implementation="pallas")
+    lm_head(_params("fp8_block"), x, cfg=CFG, implementation="pallas")
+    assert [call[1] for call in oracle_kernels] == ["Bf16VerifyWeight", "Fp8BlockVerifyWeight"]
+
+
 def test_pallas_without_a_verify_kernel_raises(monkeypatch):
     monkeypatch.delitem(lm_head_module._VERIFY_KERNELS, WeightFormat.BF16, raising=False)
     assert WeightFormat.BF16 not in registered_verify_kernels()
     with pytest.raises(NotImplementedError, match="register_verify_kernel"):
-        lm_head(_params("bf16"), _hidden("bfloat16")[:12], cfg=CFG, implementation="pallas")
+        x = _hidden("bfloat16")[:12]
+        lm_head(_params("bf16"), x, cfg=CFG, tier="verify_gemm", implementation="pallas")
 
 
 def test_verify_copy_validation():

@@ -2,7 +2,8 @@
 vocab-parallel head (DESIGN §7).
 
     params = head.from_arrays(cfg, lm_head=w, embedding=e, precision="nvfp4")
-    params = head.with_verify_copy(params)           # for 9..96-row verify projections
+    if head.verify_copy_used(params.weight.format):  # a verify kernel for the default tiers
+        params = head.with_verify_copy(params)       # for 9..96-row verify projections
     logits = head.lm_head(params, hidden, cfg=cfg)   # [..., V]
     sharded = head.shard_lm_head(params, mesh, "tp")
     out = head.sharded_lm_head(sharded, hidden, cfg=cfg, with_logits=False)  # token, logprob
@@ -29,6 +30,7 @@ from mtpjax.head.lm_head import (
     lm_head,
     register_verify_kernel,
     registered_verify_kernels,
+    verify_copy_used,
     verify_matmul_reference,
     with_verify_copy,
 )
@@ -66,6 +68,7 @@ __all__ = [
     "registered_verify_kernels",
     "shard_lm_head",
     "sharded_lm_head",
+    "verify_copy_used",
     "verify_matmul_reference",
     "with_verify_copy",
 ]

@@ -7,7 +7,8 @@ kernel tier:
   M = 1        GEMV            the weight streamed once for one row (plain decode)
   2 <= M <= 8  BATCHED_GEMV    the weight streamed once for all rows (small verify / batch)
   9 <= M <= 96 VERIFY_GEMM     a tile GEMM on the transposed copy ``[H, Vp]`` (batch * (k + 1)
-                               verify rows); without a copy it falls back to GEMM
+                               verify rows); without a copy, or for a format whose verify
+                               kernel is registered ``auto=False``, it falls back to GEMM
   M > 96       GEMM            prefill-sized projections
 
 The GEMV, batched-GEMV and GEMM tiers read the row-major weight through ``linear``'s registered
@@ -92,6 +93,7 @@ __all__ = [
     "lm_head",
     "register_verify_kernel",
     "registered_verify_kernels",
+    "verify_copy_used",
     "verify_matmul_reference",
     "with_verify_copy",
 ]
@@ -403,7 +405,11 @@ class LMHeadParams:
 
 
 def with_verify_copy(params: LMHeadParams) -> LMHeadParams:
-    """``params`` with ``verify_weight`` built from its weight (one extra copy of the head)."""
+    """``params`` with ``verify_weight`` built from its weight (one extra copy of the head).
+
+    The default tier choice reads it only where `verify_copy_used` says so; the GPU kernels of
+    `mtpjax.kernels` verify faster from the row-major weight, so with them the copy is read
+    only under a forced ``tier="verify_gemm"``."""
     return dataclasses.replace(params, verify_weight=build_verify_copy(params.weight))
 
 
@@ -640,18 +646,35 @@ class VerifyKernel(Protocol):
 
 
 _VERIFY_KERNELS: dict[WeightFormat, VerifyKernel] = {}
+_FORCED_ONLY: set[WeightFormat] = set()  # formats whose copy is read only under a forced tier
 
 
 def register_verify_kernel(
-    fmt: WeightFormat | str, kernel: VerifyKernel, *, replace: bool = False
+    fmt: WeightFormat | str, kernel: VerifyKernel, *, replace: bool = False, auto: bool = True
 ) -> None:
-    """Registers the verify GEMM for copies of ``fmt``; re-registering needs ``replace=True``."""
+    """Registers the verify GEMM for copies of ``fmt``; re-registering needs ``replace=True``.
+
+    ``auto=False``: the row-major kernels project 9..96 rows of such heads faster, so the
+    default tier choice takes GEMM even when the params carry a copy; ``tier="verify_gemm"``
+    still runs this kernel.
+    """
     fmt = WeightFormat.parse(fmt)
     if fmt in _VERIFY_KERNELS and not replace:
         raise ValueError(
             f"a verify kernel is already registered for {fmt.value} heads; pass replace=True"
         )
     _VERIFY_KERNELS[fmt] = kernel
+    if auto:
+        _FORCED_ONLY.discard(fmt)
+    else:
+        _FORCED_ONLY.add(fmt)
+
+
+def verify_copy_used(fmt: WeightFormat | str) -> bool:
+    """Whether the default tier choice reads a ``fmt`` head's transposed copy on a GPU (a
+    verify kernel is registered for it, and not with ``auto=False``); build the copy only then."""
+    fmt = WeightFormat.parse(fmt)
+    return fmt in _VERIFY_KERNELS and fmt not in _FORCED_ONLY
 
 
 def registered_verify_kernels() -> Mapping[WeightFormat, VerifyKernel]:
@@ -768,11 +791,15 @@ def _project(
     return _kernel_rows(x, w, tier) if use_kernels else _xla_rows(x, w)
 
 
-def _resolve_tier(tier: HeadTier | str | None, rows: int, has_copy: bool) -> HeadTier:
-    """The tier to run: ``tier`` if forced (VERIFY_GEMM then needs the copy), else by rows."""
+def _resolve_tier(
+    tier: HeadTier | str | None, rows: int, has_copy: bool, fmt: WeightFormat
+) -> HeadTier:
+    """The tier to run: ``tier`` if forced (VERIFY_GEMM then needs the copy), else by rows,
+    with VERIFY_GEMM only for a copy whose verify kernel is registered for the default choice."""
     if tier is None:
         chosen = head_tier(rows)
-        return HeadTier.GEMM if chosen is HeadTier.VERIFY_GEMM and not has_copy else chosen
+        use_copy = has_copy and fmt not in _FORCED_ONLY
+        return HeadTier.GEMM if chosen is HeadTier.VERIFY_GEMM and not use_copy else chosen
     try:
         tier = HeadTier(tier.lower() if isinstance(tier, str) else tier)
     except ValueError:
@@ -825,7 +852,8 @@ def lm_head(
     draft:          project only the first ``cfg.draft_vocab_size`` rows (when set): the
                     drafter's reduced vocab; those rows alone are read and multiplied.
     tier:           force a tier (tests, benchmarks); default by the row count (``head_tier``),
-                    with VERIFY_GEMM falling back to GEMM when the params carry no copy. With
+                    with VERIFY_GEMM falling back to GEMM when the params carry no copy (or
+                    its kernel was registered with ``auto=False``). With
                     kernels, GEMV projects each row alone and BATCHED_GEMV up to 8 rows per
                     weight pass; the XLA path computes every tier alike.
     implementation: "auto" (registered Pallas kernels on a GPU, else XLA), "xla", or "pallas"
@@ -837,7 +865,9 @@ def lm_head(
     impl = _parse_implementation(implementation)
     lead = hidden.shape[:-1]
     x = hidden.reshape(-1, cfg.hidden_size)
-    resolved = _resolve_tier(tier, x.shape[0], params.verify_weight is not None)
+    resolved = _resolve_tier(
+        tier, x.shape[0], params.verify_weight is not None, params.weight.format
+    )
     n = _output_columns(cfg, draft)
     logits = _project(
         params.weight, params.verify_weight, x, n_cols=n, tier=resolved, implementation=impl

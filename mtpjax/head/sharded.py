@@ -263,7 +263,9 @@ def sharded_lm_head(
     impl = _parse_implementation(implementation)
     lead = hidden.shape[:-1]
     x = hidden.reshape(-1, cfg.hidden_size)
-    resolved = _resolve_tier(tier, x.shape[0], params.verify_weight is not None)
+    resolved = _resolve_tier(
+        tier, x.shape[0], params.verify_weight is not None, params.weight.format
+    )
     n = _output_columns(cfg, draft)
     axis = params.axis_name
     local = functools.partial(
