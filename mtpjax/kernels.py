@@ -71,22 +71,6 @@ _VERIFY_GEMMS: dict[WeightFormat, tuple[Callable, Callable]] = {
     WeightFormat.NVFP4: (pk.verify_gemm_nvfp4, lambda vw: (vw.packed_t, vw.scale_t, vw.scale_2)),
 }
 
-def mosaic_tiles(rows: int, k: int, fmt: WeightFormat) -> pk.MosaicGemvConfig:
-    """The Mosaic GEMV tile for ``rows`` (<= 128) rows of a K-wide weight of ``fmt``.
-
-    Measured on the H200 LM head (`kernels_mosaic_rows_fp8_h200.json`, checkpoint layout):
-    up to 8 rows, 64-row CTAs with 2 stages let several CTAs share an SM (NVFP4 64x512: 243 us
-    at M=1; FP8 64x256: 376 us); to 32 rows 64x256 (NVFP4 16 rows: 282 us against 302 for
-    128-row CTAs; FP8 32 rows: 403 against 422); above, 128x256 halves the activation traffic
-    per weight row (NVFP4 64 rows: 420 against 473, 128 rows: 693 against 761; FP8 96 rows:
-    714 against 817).
-    """
-    if rows <= 8:
-        block_n, block_k = 64, (512 if fmt is WeightFormat.NVFP4 else 256)
-    else:
-        block_n, block_k = (64 if rows <= 32 else 128), 256
-    return pk.MosaicGemvConfig(block_n=block_n, block_k=min(block_k, max(256, k)), stages=2)
-
 
 def _takes_mosaic(w: Weight) -> bool:
     """Whether ``w`` has a Mosaic GEMV and a shape its TMA copies take."""
@@ -101,11 +85,8 @@ def _row_kernel(w: Weight, interpret: bool) -> tuple[Callable[[jax.Array], jax.A
     if _takes_mosaic(w):
         kernel, leaves, _ = _MOSAIC_GEMVS[w.format]
 
-        def mosaic(xb: jax.Array) -> jax.Array:
-            cfg = mosaic_tiles(xb.shape[0], w.in_features, w.format)
-            return kernel(xb, *leaves(w), config=cfg, interpret=interpret)
-
-        return mosaic, pk.MOSAIC_MAX_ROWS
+        # Tiles: the kernel's default_config, measured per row band on the H200 LM head.
+        return lambda xb: kernel(xb, *leaves(w), interpret=interpret), pk.MOSAIC_MAX_ROWS
     kernel, leaves = _GEMVS[w.format]
     return lambda xb: kernel(xb, *leaves(w), interpret=interpret), pk.GEMV_MAX_ROWS
 

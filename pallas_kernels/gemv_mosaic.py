@@ -6,42 +6,51 @@ to ``wgmma``: each warpgroup decodes a ``[block_n, 64]`` float16 weight tile int
 *left* operand of ``wgmma.m64nNk16`` (weight rows are the MMA's M), and the activations sit in
 shared memory as the right operand (rows padded to a multiple of 8, the MMA's N, at most 256;
 :data:`MAX_ROWS` = 128). What is left on the ALUs per 8 NVFP4 weight elements is one 32-bit
-shared load, a scale byte load + ``cvt``, four ``f16x2`` multiplies and 11
-(``layout="relaid"``/"tiled") or 15 ("checkpoint") shift/mask ops; per 4 FP8 elements, one
-32-bit shared load and two ``cvt.rn.f16x2.e4m3x2``.
+shared load, a scale byte load + ``cvt``, four ``f16x2`` multiplies and 11 shift/mask/``prmt``
+ops (every layout); per 4 FP8 elements, one 32-bit shared load and two ``cvt.rn.f16x2.e4m3x2``.
 
 NVFP4 decode (per thread, per 32-bit word ``w`` = four packed bytes of one weight row, the
 register the ``WGMMA_LAYOUT_8BIT`` load gives): a nibble ``s i2 i1 i0`` placed as float16 bits
 ``s << 15 | i << 9`` is exactly ``e2m1 * 2**-14`` (see :mod:`pallas_kernels._common`), so each
-of the four float16 pairs of a word is a few shifts and masks of ``w`` (``_DECODE_TERMS``),
-multiplied by the block scale in ``f16x2`` (exact), and is already one register of the
-``WGMMA_LAYOUT`` operand. That fixes a permutation of K inside every 32-element block (logical
-column ``8i + 2q + e`` holds element ``8q + i + 4e``), applied to the activations on the host
-(:func:`permute_k`).
+of the four float16 pairs of a word is a few shifts and masks of ``w`` (``_DECODE_TERMS``; the
+kernel's op sequence is :func:`_pair_words`), multiplied by the block scale in ``f16x2``
+(exact), and is already one register of the ``WGMMA_LAYOUT`` operand. That fixes a permutation
+of K inside every 32-element block (logical column ``8i + 2q + e`` holds element
+``8q + i + 4e``), applied to the activations on the host (:func:`permute_k`).
 
 FP8 per-row decode (:func:`fp8_row_gemv_mosaic`): the same word holds four E4M3 elements of one
 row; each byte pair converts exactly to one ``f16x2`` register (E4M3 is exact in float16), so
 inside every 16-element block logical column ``8u + 2q + e`` holds element ``4q + 2u + e``
-(:func:`permute_k` with ``fmt="fp8_row"``). The per-row F32 scale is applied with the activation
-row scale after the kernel, in F32.
+(:func:`permute_k` with ``fmt="fp8_row"``).
 
-Weight layouts (:data:`WEIGHT_LAYOUTS`, NVFP4 only, made once by
-:func:`prepare_nvfp4_mosaic`): the checkpoint's own, or with the bits moved within each word
-("relaid", fewer decode ops), or relaid and stored as contiguous CTA tiles ("tiled"). Measured
-on H200, LM head [248320, 5120]: M=1 243 us tiled / 242 relaid / 266 checkpoint (XLA BF16 GEMV
-664 us, Triton NVFP4 359 us); M=2..8 ~245 us tiled. The kernel alone takes 229 us and the same
-with the decode arithmetic removed also 229 us: the decode is hidden and the limit is the data
-movement (~3.1 TB/s); the other ~14 us are the activation preparation and the output transpose
-around the kernel.
+Epilogue: each CTA scales its F32 accumulator in registers (FP8: ``acc * scale[n] * xinv[row]``;
+NVFP4: ``acc * (xinv[row] * scale_2 * 2**14)``, the factor made by the wrapper; in F32, the order
+the earlier XLA epilogue used, so the bits are the same), stores it transposed into shared
+memory and TMA-copies the [rows, block_n] tile to the f32[M, N] output, which drops the padded
+rows and the columns past N. The wrapper slices only when ``n`` is below the weight's padded N.
 
-More rows (M > 8, not yet measured on a GPU): the weight is still read once, but every CTA
+Weight layouts (:data:`WEIGHT_LAYOUTS`, NVFP4 only, made once by :func:`prepare_nvfp4_mosaic`): the
+checkpoint's own, or with the bits moved within each word ("relaid": 11 ops without ``prmt``, made
+when the checkpoint's took 15), or relaid and stored as contiguous CTA tiles ("tiled"). Measured on
+H200, LM head [248320, 5120], with the output transposed by XLA after the kernel and the 15-op
+"checkpoint" decode: M=1 243 us tiled / 242 relaid / 266 checkpoint (XLA BF16 GEMV 664 us, Triton
+NVFP4 359 us); M=2..8 ~245 us tiled. The kernel alone took 229 us and the same with the decode
+arithmetic removed also 229 us: the decode is hidden and the limit is the data movement (~3.1 TB/s);
+the other ~14 us were the activation preparation and the output transpose around the kernel. With
+the fused epilogue and the 11-op checkpoint decode, against that earlier path in the same run
+(``scripts/bench_mosaic_gemv.py --sections epilogue``, medians of 5 interleaved rounds, ~5%
+round-to-round spread at M=1): NVFP4 M=1 checkpoint 237 us (was 256), tiled 231 (244), M=8
+checkpoint 257 (278), M=96 557 (616); FP8 M=1 387 (390), M=96 607 (631). The kernel alone at M=1,
+checkpoint: 230 us, 250 with the 15-op decode.
+
+More rows (M > 8; `mtpjax.kernels.mosaic_tiles` has the tiles measured per row band): the weight is still read once, but every CTA
 streams all of x through shared memory, [m_pad, block_k] float16 per step from L2, so at large M
 the activation traffic outgrows the weight's (at M=96 and 64-row CTAs, 48 KB of x per 9 KB NVFP4
 step) and the MMA work grows with M (~310 us of tensor-core time for the LM head at 96 rows).
 :func:`default_config` therefore widens the CTA to 128 rows where the accumulator
-(``block_n * m_pad / 128`` F32 registers per thread) allows; see there. The output is written
-transposed, f32[N, m_pad], and transposed back with the scales applied by XLA (at M=96 that is
-~95 MB written and moved again; fusing it into the kernel's epilogue is not done yet).
+(``block_n * m_pad / 128`` F32 registers per thread) allows; see there. The epilogue writes the
+final f32[M, N] (at M=96 the earlier transposed f32[N, m_pad] output was ~95 MB written and
+moved again by XLA).
 
 Shapes:
   x:        bf16[M, K]            activations, 1 <= M <= 128
@@ -58,8 +67,8 @@ padded rows). N need not be a multiple of block_n, nor K of block_k, for the unt
 zero-fills the rows and columns past the weight's.
 
 Interpret mode (``interpret=True``, CPU): Mosaic GPU's interpreter cannot run inline Mosaic code
-nor take a register ``wgmma`` operand, so the kernel decodes with the same shift/mask table (or
-E4M3 cast) in ``jnp`` (:func:`decode_tile`, :func:`decode_tile_fp8`), stages the tile in shared
+nor take a register ``wgmma`` operand, so the kernel decodes with the same ops (or E4M3 cast)
+in ``jnp`` (:func:`decode_tile`, :func:`decode_tile_fp8`), stages the tile in shared
 memory and runs the same ``wgmma`` and pipeline; only the register-level decode differs. The
 tests replay that decode thread by thread in numpy and lower the kernel for CUDA on the CPU.
 """
@@ -101,7 +110,8 @@ _SIGN = 0x80008000  # sign bits of a float16 pair (15 and 31)
 #:
 #: "checkpoint": the packed bytes as stored (element 2j = low nibble of byte j), so pair i is
 #: (lo b0, lo b2), (hi b0, hi b2), (lo b1, lo b3), (hi b1, hi b3); every pair needs a shift for
-#: its index bits and another for its sign bit: 15 integer ops per word.
+#: its index bits and another for its sign bit: 15 integer ops per word this way. The kernel
+#: computes the same pairs in 11 (:data:`_NIBBLE_BYTE_TERMS`).
 #:
 #: "relaid" (:func:`relayout_words`, applied once by ``prepare_nvfp4_mosaic``): the bits of each
 #: word are moved so that two pairs are one AND (pair 0 sits in place) or one shift and one AND
@@ -123,6 +133,18 @@ _DECODE_TERMS = {
     ),
 }
 _DECODE_TERMS["tiled"] = _DECODE_TERMS["relaid"]
+#: "checkpoint" in 11 integer ops per word (:func:`_pair_words`; the same pairs as its
+#: ``_DECODE_TERMS``): first two words that hold one nibble per byte, placed as the high byte of
+#: a float16 pair half wants it (index bits on bits 1..3 of the byte, sign on bit 7), the low
+#: nibbles (shifts 1 and 4) and the high nibbles (shift -3 and in place), 7 ops; then each pair
+#: is the odd bytes of one of them (one AND) or its even bytes moved up (one ``prmt``).
+_NIBBLE_BYTE_TERMS = (
+    ((1, 0x0E0E0E0E), (4, 0x80808080)),  # low nibbles
+    ((-3, 0x0E0E0E0E), (0, 0x80808080)),  # high nibbles
+)
+#: Per pair of "checkpoint": (nibble word, whether its even bytes move up into the odd ones).
+_NIBBLE_BYTE_PAIRS = ((0, True), (1, True), (0, False), (1, False))
+_ODD_BYTES = 0xFF00FF00
 #: Where the "relaid" layout keeps (index bit 0, sign bit) of pair i in each 16-bit half.
 _RELAID_POS = ((9, 15), (0, 6), (3, 7), (12, 8))
 #: "checkpoint": codes as stored, [N, K/2]. "relaid": bits moved within each word, [N, K/2].
@@ -168,16 +190,17 @@ def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvC
     * m_pad == 8 (M = 1..8), measured on H200 for NVFP4: 64-row CTAs, 2 stages and little shared
       memory, so several CTAs share an SM (NVFP4 64x512: 52 KB, 4 per SM). FP8 takes 64x256: the
       same 16 KB of codes per step as NVFP4's 64x512, 40 KB, 5 per SM.
-    * 8 < m_pad <= 96 (unmeasured): 128-row CTAs, 256-wide K steps, 2 stages. Each CTA streams
-      all of x through shared memory, so at these M the activation traffic (from L2) outgrows
-      the weight's; 128 rows per CTA halve it against 64. At m_pad > 48 only one CTA fits an SM
-      with either width (NVFP4 M=96: 132 KB at 128 rows, 114 KB at 64), so the wider CTA costs
-      no occupancy, only registers: an accumulator of m_pad F32 registers per thread, 32 for the
-      code tile and 2 x 32 for two decoded operand tiles in flight, ~220 of 255 at M=96.
-    * m_pad > 96 (unmeasured): 64-row CTAs (256-wide steps); 128 rows would need ~250
-      registers per thread and invite spills. NVFP4 M=128: 146 KB.
+    * 8 < m_pad <= 32: 64x256 (NVFP4 M=16: 282 us against 302 with 128-row CTAs; FP8 M=32:
+      403 against 422; NVFP4 M=32 tied).
+    * m_pad > 32: 128-row CTAs, 256-wide K steps. Each CTA streams all of x through shared
+      memory, so at these M the activation traffic (from L2) outgrows the weight's; 128 rows per
+      CTA halve it against 64 (NVFP4 M=64: 420 against 473 us, M=128: 693 against 761; FP8
+      M=96: 714 against 817). At m_pad > 48 only one CTA fits an SM with either width, so the
+      wider CTA costs no occupancy, only registers (an accumulator of m_pad F32 per thread).
 
-    ``scripts/bench_mosaic_gemv.py --sections mosaic_rows,mosaic_fp8`` times the alternatives.
+    Timed on the H200 LM head [248320, 5120] before the fused epilogue
+    (``benchmarks/results/kernels_mosaic_rows_fp8_h200.json``, from
+    ``scripts/bench_mosaic_gemv.py --sections mosaic_rows,mosaic_fp8``).
     """
     del n
     if fmt not in _ELEMS_PER_BYTE:
@@ -186,7 +209,7 @@ def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvC
     if m_pad <= 8:
         block_n, block_k = 64, (512 if fmt == "nvfp4" else 256)
     else:
-        block_n, block_k = (128 if m_pad <= 96 else 64), 256
+        block_n, block_k = (64 if m_pad <= 32 else 128), 256
     block_k = block_k if k >= block_k else K_ALIGN
     return MosaicGemvConfig(block_n=block_n, block_k=block_k, stages=2)
 
@@ -309,6 +332,37 @@ def _shift(w, s: int):
     return (w << s) if s >= 0 else (w >> -s)
 
 
+def _or_terms(w, terms, shift, band, bor):
+    """OR of ``shift(w, s) & mask`` over ``terms`` ((s, mask), ...)."""
+    bits = None
+    for s, mask in terms:
+        v = band(shift(w, s) if s else w, mask)
+        bits = v if bits is None else bor(bits, v)
+    return bits
+
+
+def _pair_words(
+    w, layout: str, *, shift=None, band=None, bor=None, even_up=None, terms_only: bool = False
+) -> list:
+    """The four float16-pair words of 32-bit code words ``w``, computed the way the kernel does.
+
+    The ops default to numpy / ``jnp`` operators on uint32 arrays; the kernel passes MLIR
+    builders (``even_up``: a ``prmt`` moving bytes 0 and 2 to 1 and 3, zeroing the others).
+    ``terms_only`` evaluates ``_DECODE_TERMS`` as written (a timing baseline: 15 ops for
+    "checkpoint"; the same words).
+    """
+    if shift is None:
+        u32 = w.dtype.type
+        shift = lambda v, s: _shift(v, s)  # noqa: E731
+        band = lambda v, m: v & u32(m)  # noqa: E731
+        bor = lambda a, b: a | b  # noqa: E731
+        even_up = lambda v: (v << 8) & u32(_ODD_BYTES)  # noqa: E731
+    if layout != "checkpoint" or terms_only:
+        return [_or_terms(w, t, shift, band, bor) for t in _DECODE_TERMS[layout]]
+    nib = [_or_terms(w, t, shift, band, bor) for t in _NIBBLE_BYTE_TERMS]
+    return [even_up(nib[j]) if up else band(nib[j], _ODD_BYTES) for j, up in _NIBBLE_BYTE_PAIRS]
+
+
 def decode_tile(codes: jax.Array, scale_u8: jax.Array, *, layout: str = "checkpoint") -> jax.Array:
     """Decode a tile the way the kernel's registers hold it, in plain ``jnp``.
 
@@ -321,12 +375,7 @@ def decode_tile(codes: jax.Array, scale_u8: jax.Array, *, layout: str = "checkpo
     """
     r, b = codes.shape
     w = jax.lax.bitcast_convert_type(codes.reshape(r, b // 4, 4), jnp.uint32)  # [R, W]
-    pairs = []
-    for terms in _DECODE_TERMS[layout]:
-        bits = jnp.zeros_like(w)
-        for shift, mask in terms:
-            bits = bits | (_shift(w, shift) & jnp.uint32(mask))
-        pairs.append(bits)
+    pairs = _pair_words(w, layout)
     h = jax.lax.bitcast_convert_type(jnp.stack(pairs, axis=-1), jnp.float16)  # [R, W, 4i, 2e]
     s = C.from_u8_e4m3(scale_u8, jnp.float16)  # [R, B/8]; word W lies in scale group W // 2
     h = h * jnp.repeat(s, 2, axis=1)[:, :, None, None]
@@ -391,14 +440,22 @@ def _chunk_plan(block_n: int, tile_bytes: int, chunk: int, fmt: str = "nvfp4"):
 
 
 def _decode_chunk_gpu(
-    codes, scale_smem, *, fmt: str, chunk: int, block_n: int, layout: str, skip: bool
+    codes,
+    scale_smem,
+    *,
+    fmt: str,
+    chunk: int,
+    block_n: int,
+    layout: str,
+    skip: bool,
+    terms_only: bool = False,
 ):
     """float16[block_n, 64] ``WGMMA_LAYOUT`` operand for logical K chunk ``chunk`` of ``codes``.
 
     ``codes`` is a uint8[block_n, B] code tile in ``WGMMA_LAYOUT_8BIT`` (each register: 4
     consecutive bytes of one row); for NVFP4 ``scale_smem`` is the step's uint8[block_n,
     block_k/16] scale tile in shared memory (FP8: None). ``skip`` (a timing diagnostic, wrong
-    results) replaces the decode by a bitcast.
+    results) replaces the decode by a bitcast; ``terms_only`` see :func:`_pair_words`.
     """
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref
@@ -433,19 +490,18 @@ def _decode_chunk_gpu(
             # The word's block scale, duplicated into both bytes of a b16 and widened to f16x2.
             sb = memref.load(scales[0], [row, arith.divui(col, c(8, index))])
             s2 = e4m3x2_to_f16x2(arith.muli(arith.extui(i16, sb), c(0x0101, i16)))
-            pairs = []
-            for terms in _DECODE_TERMS[layout]:
-                bits = None
-                for shift, mask in terms:
-                    v = w
-                    if shift > 0:
-                        v = arith.shli(w, c(shift, i32))
-                    elif shift < 0:
-                        v = arith.shrui(w, c(-shift, i32))
-                    v = arith.andi(v, c(mask, i32))
-                    bits = v if bits is None else arith.ori(bits, v)
-                pairs.append(arith.mulf(mgpu_utils.bitcast(bits, f16x2), s2))
-            return pairs
+            words = _pair_words(
+                w,
+                layout,
+                shift=lambda v, s: (
+                    arith.shli(v, c(s, i32)) if s > 0 else arith.shrui(v, c(-s, i32))
+                ),
+                band=lambda v, m: arith.andi(v, c(m, i32)),
+                bor=arith.ori,
+                even_up=lambda v: mgpu_utils.prmt(v, c(0, i32), c(0x2404, i32)),
+                terms_only=terms_only,
+            )
+            return [arith.mulf(mgpu_utils.bitcast(v, f16x2), s2) for v in words]
 
         def fp8_pairs(w, row, col):
             del row, col
@@ -503,8 +559,21 @@ def _weight_specs(fmt: str, layout: str, bn: int, bk: int, ni) -> list:
     ]
 
 
+#: Output epilogues of :func:`_build_kernel`: "fused" writes the final f32[M, N] with the row
+#: (and FP8 column) factors applied; "transposed" writes the raw accumulator f32[N, m_pad] and
+#: leaves the factors and the transpose to XLA (the earlier path, kept as a timing baseline).
+EPILOGUES = ("fused", "transposed")
+
+
+def _broadcast_wgmma(v: jax.Array, shape: tuple[int, int], dim: int) -> jax.Array:
+    """[shape[dim]] -> ``shape`` along ``dim``, in the ``WGMMA`` layout (a register-local
+    broadcast of a row (dim 0) or column (dim 1) vector in the matching reduced layout)."""
+    out = jax.lax.broadcast_in_dim(v, shape, (dim,))
+    return plgpu.layout_cast(out, plgpu.Layout.WGMMA)
+
+
 def _build_kernel(
-    m_pad: int,
+    m: int,
     n: int,
     k: int,
     cfg: MosaicGemvConfig,
@@ -513,14 +582,30 @@ def _build_kernel(
     *,
     fmt: str = "nvfp4",
     skip_decode: bool = False,
+    epilogue: str = "fused",
+    terms_decode: bool = False,
 ):
     """The GEMV kernel of either format (one pipeline, the decode chosen by ``fmt``).
 
-    Operands: x float16[m_pad, K] (permuted for ``fmt``), then NVFP4 codes uint8[N, K/2] and
-    scales uint8[N, K/16] (4-D tiles for "tiled"), or FP8 codes uint8[N, K]. Returns
-    f32[cdiv(N, block_n) * block_n, m_pad] (unscaled, transposed). ``skip_decode`` is a timing
+    Operands: x float16[m_pad, K] (permuted for ``fmt``), f32[m_pad] row factors, then NVFP4
+    codes uint8[N, K/2] and scales uint8[N, K/16] (4-D tiles for "tiled"), or FP8 codes
+    uint8[N, K] and f32[cdiv(N, block_n) * block_n] row scales of the weight.
+
+    Returns (``epilogue="fused"``) f32[m, N]: ``acc * row_factor`` (NVFP4) or ``acc * scale[n] *
+    row_factor`` (FP8), in that order in F32. Each CTA scales its [block_n, m_pad] accumulator
+    in registers, moves it to the ``WGMMA_TRANSPOSED`` layout (one shuffle per register pair),
+    stores it into a [m_pad, block_n] shared-memory tile through a transposed view (the
+    pipeline's buffers, free by then) and copies the tile out with TMA, which drops the rows
+    past ``m`` and the columns past N.
+
+    Timing baselines (the earlier kernel): ``epilogue="transposed"`` takes no factor operands
+    and returns the raw accumulator f32[cdiv(N, block_n) * block_n, m_pad]; ``terms_decode``
+    decodes "checkpoint" with its 15 ``_DECODE_TERMS`` ops. ``skip_decode`` is a timing
     diagnostic (GPU only, wrong results).
     """
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    m_pad = C.round_up(m, 8)
     bn, bk = cfg.block_n, cfg.block_k
     n_blocks = C.cdiv(n, bn)
     k_steps = C.cdiv(k, bk)
@@ -529,9 +614,12 @@ def _build_kernel(
     # at a time, so the live code registers stay at ``block_n`` bytes per thread.
     slab = tile_bytes if fmt == "nvfp4" else 128
     chunks_per_slab = slab * _ELEMS_PER_BYTE[fmt] // _CHUNK
+    n_weights = 2 if fmt == "nvfp4" else 1
+    fused = epilogue == "fused"
 
     def body(x_gmem, *refs):
-        *w_gmem, out_gmem = refs
+        rowf_gmem, refs = (refs[0], refs[1:]) if fused else (None, refs)
+        w_gmem, (*colf_gmem, out_gmem) = refs[:n_weights], refs[n_weights:]
         ni = jax.lax.axis_index("n")
 
         def step_gpu(acc_ref, x_smem, codes_smem, *scale_smem):
@@ -547,6 +635,7 @@ def _build_kernel(
                         block_n=bn,
                         layout=layout,
                         skip=skip_decode,
+                        terms_only=terms_decode,
                     )
                     col = (s * chunks_per_slab + c) * _CHUNK
                     plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(col, _CHUNK)].T)
@@ -584,18 +673,39 @@ def _build_kernel(
             )(*w_gmem, x_gmem)
             return acc_ref[...]
 
+        def store_fused(acc, o_smem):
+            if colf_gmem:  # FP8: the weight row's scale first, as the unfused path did
+                colf = plgpu.load(
+                    colf_gmem[0].at[pl.ds(ni * bn, bn)],
+                    layout=plgpu.Layout.WGMMA.reduce(1),
+                    optimized=False,
+                )
+                acc = acc * _broadcast_wgmma(colf, (bn, m_pad), 0)
+            rowf = plgpu.load(rowf_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            acc = acc * _broadcast_wgmma(rowf, (bn, m_pad), 1)
+            o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, m_pad), pl.ds(ni * bn, bn)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
         def with_scratch(*scratch):
             acc = pl.run_scoped(lambda acc_ref: run(acc_ref, *scratch), plgpu.ACC((bn, m_pad)))
-            out_gmem.at[pl.ds(ni * bn, bn)][...] = acc
+            if not fused:
+                out_gmem.at[pl.ds(ni * bn, bn)][...] = acc
+            else:  # a scope after the pipeline's: its shared memory is reused
+                pl.run_scoped(
+                    lambda o_smem: store_fused(acc, o_smem), plgpu.SMEM((m_pad, bn), jnp.float32)
+                )
 
         if interpret:  # the interpreter's wgmma takes its left operand from shared memory only
             pl.run_scoped(with_scratch, plgpu.SMEM((bn, bk), jnp.float16, transforms=_swizzled(16)))
         else:
             with_scratch()
 
+    out_shape = (m, n) if fused else (n_blocks * bn, m_pad)
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((n_blocks * bn, m_pad), jnp.float32),
+        out_type=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(n_blocks,),
         grid_names=("n",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
@@ -672,11 +782,11 @@ def nvfp4_gemv_mosaic(
         raise ValueError(f"scale must be {list(want_scale)}, got {scale.shape}")
     n = _check_n(n, nw, config.block_n if layout == "tiled" else N_ALIGN)
     cfg = config or default_config(m, nw, kw)
-    out_t, xinv = _run_transposed(
-        "nvfp4", x, (packed, C.as_u8(scale)), nw, kw, cfg, layout, interpret
-    )
+    x16, xinv = _prepare_x(x, kw, "nvfp4")
     gscale = jnp.asarray(scale_2, jnp.float32) * C.E2M1_F16_UNBIAS
-    return (out_t[:n, :m] * (xinv * gscale)[None, :]).T
+    kernel = _build_kernel(m, nw, kw, cfg, interpret, layout, fmt="nvfp4")
+    out = kernel(x16, _pad_to(xinv * gscale, x16.shape[0]), packed, C.as_u8(scale))
+    return out[:, :n] if n < nw else out
 
 
 def _check_rows(x: jax.Array) -> None:
@@ -691,15 +801,23 @@ def _check_n(n: int | None, nw: int, n_align: int) -> int:
     return n
 
 
-def _run_transposed(fmt, x, weights, nw: int, kw: int, cfg, layout: str, interpret: bool):
-    """Row-scale, pad and permute x, run the kernel. Returns (f32[>= Nw, m_pad] unscaled and
-    transposed, f32[M] factors undoing the row scaling)."""
+def _pad_to(a: jax.Array, size: int) -> jax.Array:
+    """f32[L] -> f32[size], zero-padded (no-op when L == size)."""
+    return a if a.shape[0] == size else jnp.pad(a, (0, size - a.shape[0]))
+
+
+def _prepare_x(x: jax.Array, kw: int, fmt: str = "nvfp4") -> tuple[jax.Array, jax.Array]:
+    """The kernel's activation operand: x row-scaled to float16, rows padded to a multiple of
+    8, K zero-padded to the weight's ``kw`` and permuted for ``fmt`` (:func:`permute_k`).
+
+    Returns:
+      (float16[m_pad, kw], f32[M] the factors that undo the row scaling).
+    """
     m, k = x.shape
-    m_pad = C.round_up(m, 8)
-    x16, xinv = C.to_f16_rowscaled(x, m_pad)  # float16[m_pad, K], f32[M]
-    x16 = permute_k(jnp.pad(x16, ((0, 0), (0, kw - k))), fmt)
-    kernel = _build_kernel(m_pad, nw, kw, cfg, interpret, layout, fmt=fmt)
-    return kernel(x16, *weights), xinv
+    x16, xinv = C.to_f16_rowscaled(x, C.round_up(m, 8))
+    if kw != k:
+        x16 = jnp.pad(x16, ((0, 0), (0, kw - k)))
+    return permute_k(x16, fmt), xinv
 
 
 @functools.partial(jax.jit, static_argnames=("n", "config", "interpret"))
@@ -743,6 +861,8 @@ def fp8_row_gemv_mosaic(
         raise ValueError(f"scale must be [{nw}], got {scale.shape}")
     n = _check_n(n, nw, N_ALIGN)
     cfg = config or default_config(m, nw, kw, fmt="fp8_row")
-    out_t, xinv = _run_transposed("fp8_row", x, (C.as_u8(q),), nw, kw, cfg, "checkpoint", interpret)
-    rscale = scale.astype(jnp.float32)[:n, None]
-    return (out_t[:n, :m] * rscale * xinv[None, :]).T
+    x16, xinv = _prepare_x(x, kw, "fp8_row")
+    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8_row")
+    colf = _pad_to(scale.astype(jnp.float32), C.cdiv(nw, cfg.block_n) * cfg.block_n)
+    out = kernel(x16, _pad_to(xinv, x16.shape[0]), C.as_u8(q), colf)
+    return out[:, :n] if n < nw else out

@@ -1,6 +1,11 @@
 """Check and time the Mosaic GPU GEMVs (NVFP4, FP8 per-row; 1 to 128 rows) on one GPU.
 
-Next session (one run of the new sections, under 4 minutes incl. compiles):
+The fused epilogue and the 11-op checkpoint decode against the earlier kernel, same run:
+
+    PYTHONPATH=. python3 scripts/bench_mosaic_gemv.py --sections epilogue --budget-s 240 \
+        --json $OUT/epilogue.json --logdir $OUT/logs
+
+The many-row and FP8 sections (one run, under 4 minutes incl. compiles):
 
     MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=. python3 scripts/bench_mosaic_gemv.py \
         --sections mosaic_rows,mosaic_fp8 --budget-s 200 \
@@ -29,6 +34,18 @@ Sections (``--sections``, default ``baselines,mosaic``, the measured M=1..8 run)
   ``fp8_row_gemv`` (M <= 32), ``verify_gemm_fp8_row`` (M >= 16), XLA's BF16 GEMV and XLA's FP8
   dequant+dot at the same shape and M. Targets: M=1 <= 0.55x XLA BF16 (``ratio``); M=2..8 <=
   1.15x of M=1 (``ratio_vs_m1``).
+* ``epilogue``: on the LM head, NVFP4 M=1 (checkpoint and tiled), FP8 M=1, NVFP4 and FP8 M=96
+  (default configs), the whole call (``variant="fused"``) against the earlier path
+  (``"legacy"``: the kernel's raw accumulator written transposed, f32[N, m_pad], scaled and
+  transposed back by XLA; the 15-op checkpoint decode), both checked, then NVFP4 M=8; every
+  variant of one (format, rows) timed in 5 interleaved rounds (``time_us`` the median, the
+  rounds in ``round_times_us``). At M=1 also the kernel
+  alone (activations prepared outside the timed call) with each epilogue and, for the NVFP4
+  checkpoint layout, each decode (``*_kernel_only``; the fused ones checked). At M=96, rows
+  0, 37, 95 of the call against the same rows computed alone (``*_row_identity``, bit for bit,
+  with the M=1 default config and with the 96-row config). First, on small odd shapes (M=5,
+  13, 96; N=1021), the fused output against the earlier path, bit for bit
+  (``*_vs_legacy``; where they differ, the rows and columns).
 
 Every kernel config is first checked against its ``*_reference`` (relative error): the new
 defaults on a small odd shape, every timed variant on the timed shape (its first launch). Times
@@ -71,7 +88,20 @@ LM_ROWS = (1, 2, 4, 8)
 MANY_ROWS = (16, 32, 64, 96, 128)
 #: mosaic_fp8: (shape, rows) timed.
 FP8_SHAPES = ((*LM_HEAD, (1, 2, 4, 8, 32, 96)), (*MOE_HEAD, (1, 8)))
-SECTIONS = ("baselines", "mosaic", "mosaic_rows", "mosaic_fp8")
+SECTIONS = ("baselines", "mosaic", "mosaic_rows", "mosaic_fp8", "epilogue")
+#: epilogue: (format, rows, NVFP4 layouts) on the LM head, fused vs the earlier kernel, most
+#: important first (a short budget cuts the last).
+EPILOGUE_PLAN = (
+    ("nvfp4", 1, ("checkpoint", "tiled")),
+    ("fp8_row", 1, ("checkpoint",)),
+    ("nvfp4", 96, ("checkpoint",)),
+    ("fp8_row", 96, ("checkpoint",)),
+    ("nvfp4", 8, ("checkpoint",)),
+)
+#: epilogue: interleaved timing rounds per (format, rows).
+EPILOGUE_ROUNDS = 5
+#: Rows of a 96-row call compared bit for bit with the same row computed alone.
+IDENTITY_ROWS = (0, 37, 95)
 MIN_COPIES = 3
 TOL = 2e-5
 
@@ -313,18 +343,11 @@ def _kernel_only_variants(ctx, m, n, k):
 
 
 def _kernel_only(ctx, xs, weights, n, k, nb, layout, cfg, skip_decode):
-    """The pallas kernel alone (no activation prep, no output transpose); with
-    ``skip_decode`` a diagnostic without the decode arithmetic (results are wrong)."""
-    import jax
-
-    from pallas_kernels import _common as C
-    from pallas_kernels import gemv_mosaic as GM
-
+    """The pallas kernel alone (no activation prep; its fused epilogue writes the final output);
+    with ``skip_decode`` a diagnostic without the decode arithmetic (results are wrong)."""
     m = xs[0].shape[0]
-    m_pad = C.round_up(m, 8)
-    kern = GM._build_kernel(m_pad, n, k, cfg, False, layout, skip_decode=skip_decode)
-    prep = jax.jit(lambda x: GM.permute_k(C.to_f16_rowscaled(x, m_pad)[0]))
-    sets = [(prep(x), w[0], C.as_u8(w[1])) for x, w in zip(xs, weights * len(xs))]
+    kern = _kernel_for("nvfp4", m, n, k, cfg, layout, False, skip_decode=skip_decode)
+    sets = _kernel_sets(ctx, "nvfp4", xs, weights, k, cfg)
     kname = "nvfp4_gemv_mosaic_" + ("nodecode_diag" if skip_decode else "kernel_only")
     rec = _rec(kname, "lm_head", m, n, k, layout=layout, config=BK._cfg_dict(cfg))
     try:
@@ -333,6 +356,68 @@ def _kernel_only(ctx, xs, weights, n, k, nb, layout, cfg, skip_decode):
     except Exception as e:
         rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
     ctx.emit(rec)
+
+
+def _kernel_for(fmt, m, n, k, cfg, layout, interpret, *, legacy=False, **kw):
+    """The bare kernel: fused epilogue and 11-op decode, or with ``legacy`` the earlier one
+    (raw transposed output, the 15-op checkpoint decode)."""
+    from pallas_kernels import gemv_mosaic as GM
+
+    if legacy:
+        kw.update(epilogue="transposed", terms_decode=True)
+    return GM._build_kernel(m, n, k, cfg, interpret, layout, fmt=fmt, **kw)
+
+
+def _kernel_sets(ctx, fmt, xs, weights, k, cfg, *, legacy=False):
+    """The bare kernel's operands per launch: activations prepared outside the timed call."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import _common as C
+    from pallas_kernels import gemv_mosaic as GM
+
+    prep = jax.jit(lambda x: GM._prepare_x(x, k, fmt))
+    sets = []
+    for i, x in enumerate(xs):
+        w = weights[i % len(weights)]
+        x16, xinv = prep(x)
+        rowf = jnp.pad(xinv, (0, x16.shape[0] - xinv.shape[0]))
+        if fmt == "fp8_row":
+            colf = jnp.pad(w[1], (0, C.round_up(w[1].shape[0], cfg.block_n) - w[1].shape[0]))
+            ops = (C.as_u8(w[0]),) if legacy else (rowf, C.as_u8(w[0]), colf)
+        else:
+            rowf = rowf * (jnp.asarray(w[2], jnp.float32) * C.E2M1_F16_UNBIAS)
+            ops = (w[0], C.as_u8(w[1])) if legacy else (rowf, w[0], C.as_u8(w[1]))
+        sets.append((x16, *ops))
+    return sets
+
+
+def _legacy_gemv(fmt, x, *w, n, layout="checkpoint", config=None, interpret=False):
+    """The earlier whole call: the kernel with the 15-op checkpoint decode writes its raw
+    accumulator transposed, f32[N, m_pad], and XLA applies the factors to the transposed slice
+    and transposes it back (as ``gemv_mosaic`` did before its fused epilogue)."""
+    import jax.numpy as jnp
+
+    from pallas_kernels import _common as C
+    from pallas_kernels import gemv_mosaic as GM
+
+    m = x.shape[0]
+    if fmt == "fp8_row":
+        nw, kw = w[0].shape
+    elif layout == "tiled":
+        nt, kt, bn, bkh = w[0].shape
+        nw, kw = nt * bn, kt * bkh * 2
+    else:
+        nw, kw = w[0].shape[0], w[0].shape[1] * 2
+    config = config or GM.default_config(m, nw, kw, fmt=fmt)
+    x16, xinv = GM._prepare_x(x, kw, fmt)
+    kern = _kernel_for(fmt, m, nw, kw, config, layout, interpret, legacy=True)
+    if fmt == "fp8_row":
+        out_t = kern(x16, C.as_u8(w[0]))
+        return (out_t[:n, :m] * w[1].astype(jnp.float32)[:n, None] * xinv[None, :]).T
+    out_t = kern(x16, w[0], C.as_u8(w[1]))
+    gscale = jnp.asarray(w[2], jnp.float32) * C.E2M1_F16_UNBIAS
+    return (out_t[:n, :m] * (xinv * gscale)[None, :]).T
 
 
 def _xs(ctx, m: int, k: int, reps: int):
@@ -545,6 +630,182 @@ def _fp8_baselines(ctx, skip, name, m, n, k, xs, weights, bf16, transposed, want
     )
 
 
+def child_epilogue(ctx, skip: set[str]):
+    """Fused epilogue and 11-op checkpoint decode against the earlier kernel, same run."""
+    from pallas_kernels import gemv as G
+    from pallas_kernels import gemv_mosaic as GM
+
+    interp = ctx.interpret
+    # 1) Small odd shapes: the fused output against the earlier path, bit for bit.
+    n, k = (1021, 4640) if not ctx.smoke else (131, 272)
+    for fmt, m in (("nvfp4", 5), ("fp8_row", 13), ("nvfp4", 96)):
+        _fused_vs_legacy(ctx, skip, fmt, m, n, k)
+
+    # 2) The LM head: per (format, rows), every variant checked, then timed in interleaved
+    # rounds (A B C A B C ...), so drift in clocks or memory state hits all alike.
+    name, n, k = LM_HEAD if not ctx.smoke else ("lm_head", 136, 512)
+    weights = {}
+    for fmt, m, layouts in EPILOGUE_PLAN:
+        if fmt not in weights:
+            weights[fmt] = _weight_sets(ctx, n, k, fmt)
+        sets_w, nb = weights[fmt]
+        if ctx.left() < 15:
+            ctx.emit(dict(kernel="_deadline", shape=name, rows=m, format=fmt))
+            return
+        xs = _xs(ctx, m, k, _launches(ctx, nb, nb / 3.0e6))
+        want = G.KERNELS[fmt][1](xs[0], *sets_w[0])
+        public = GM.nvfp4_gemv_mosaic if fmt == "nvfp4" else GM.fp8_row_gemv_mosaic
+        entries, identity = [], None
+        for layout in layouts:
+            cfg = GM.default_config(m, n, k, fmt=fmt)
+            ws = sets_w if layout == "checkpoint" else _prepare(sets_w, layout, cfg)
+            kw = dict(n=n, config=cfg, interpret=interp)
+            if fmt == "nvfp4":
+                kw["layout"] = layout
+            base = dict(layout=layout, config=BK._cfg_dict(cfg), fmt=fmt)
+            whole = [(x, *ws[i % len(ws)]) for i, x in enumerate(xs)]
+            for variant, fn in (
+                ("fused", functools.partial(public, **kw)),
+                ("legacy", functools.partial(_legacy_gemv, fmt, **kw)),
+            ):
+                rec = _rec(f"{fmt}_gemv_mosaic", name, m, n, k, variant=variant, **base)
+                entries.append((f"epi:{fmt}:{m}:{layout}:{variant}", rec, fn, whole, want))
+            if m == 1:
+                # (fused epilogue, 11-op decode): the split of the difference between the two.
+                for fused, terms in ((True, False), (False, True), (True, True), (False, False)):
+                    if terms and (fmt == "fp8_row" or layout != "checkpoint"):
+                        continue  # only the NVFP4 checkpoint decode differs
+                    variant = ("fused" if fused else "transposed") + (
+                        ",15op_decode" if terms else ""
+                    )
+                    rec = _rec(
+                        f"{fmt}_gemv_mosaic_kernel_only", name, m, n, k, variant=variant, **base
+                    )
+                    epi = "fused" if fused else "transposed"
+                    kern = _kernel_for(
+                        fmt, m, n, k, cfg, layout, interp, epilogue=epi, terms_decode=terms
+                    )
+                    sets = _kernel_sets(ctx, fmt, xs, ws, k, cfg, legacy=not fused)
+                    # The fused kernel's output is the final one: checked like the whole call.
+                    rid = f"epi_kernel:{fmt}:{m}:{layout}:{variant}"
+                    entries.append((rid, rec, kern, sets, want if fused else None))
+            elif identity is None and m > max(IDENTITY_ROWS):
+                identity = (layout, ws[0], kw)
+        _interleaved(ctx, skip, entries, nb, rounds=1 if ctx.smoke else EPILOGUE_ROUNDS)
+        if identity is not None:
+            layout, w, kw = identity
+            _row_identity(ctx, skip, fmt, name, n, k, xs[0], w, layout, public, kw)
+        del xs, want, entries
+
+
+def _interleaved(ctx, skip: set[str], entries, nb: int, *, rounds: int):
+    """Check every entry (rid, rec, fn, operand sets, want or None) on its first launch, then
+    time them all in ``rounds`` interleaved rounds; ``time_us`` is the median of the rounds'
+    medians (``round_times_us``)."""
+    import jax
+    import numpy as np
+
+    live = []
+    for rid, rec, fn, sets, want in entries:
+        if rid in skip:
+            continue
+        ctx.emit(dict(kernel="_start", id=rid))
+        try:
+            multi = jax.jit(lambda s, fn=fn: [fn(*a) for a in s])
+            out = multi(sets)
+            jax.block_until_ready(out)
+            if want is not None:
+                rec["rel_err"] = BK._rel_err(out[0], want)
+                rec["ok"] = bool(rec["rel_err"] < TOL)
+            del out
+            live.append((rec, multi, sets))
+        except Exception as e:
+            rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+            print(rec["error"], file=sys.stderr)
+            ctx.emit(rec)
+    for _ in range(rounds):
+        if ctx.left() < 5:
+            break
+        for rec, multi, sets in live:
+            times = []
+            for _ in range(1 if ctx.smoke else 7):
+                t0 = time.perf_counter()
+                jax.block_until_ready(multi(sets))
+                times.append(time.perf_counter() - t0)
+            rec.setdefault("round_times_us", []).append(float(np.median(times)) / len(sets) * 1e6)
+    for rec, _, _ in live:
+        if rec.get("round_times_us"):
+            rec["time_us"] = float(np.median(rec["round_times_us"]))
+            rec.update(bytes=nb, gbps=nb / rec["time_us"] / 1e3)
+            rec.setdefault("ok", True)
+        ctx.emit(rec)
+
+
+def _fused_vs_legacy(ctx, skip, fmt, m, n, k):
+    """One small odd shape: the fused whole call against the earlier path (expected bit for
+    bit) and the reference; where they differ, which rows and columns."""
+    import numpy as np
+
+    from pallas_kernels import gemv as G
+    from pallas_kernels import gemv_mosaic as GM
+
+    rid = f"epi_check:{fmt}:{m}"
+    if rid in skip:
+        return
+    ctx.emit(dict(kernel="_start", id=rid))
+    rec = _rec(f"{fmt}_gemv_mosaic_vs_legacy", "small", m, n, k, fmt=fmt, check="small")
+    try:
+        lv = BK._weights(ctx, fmt, n, k)
+        if fmt == "nvfp4":
+            w = (*GM.prepare_nvfp4_mosaic(lv[0], lv[1]), lv[2])
+            public = GM.nvfp4_gemv_mosaic
+        else:
+            w = GM.prepare_fp8_row_mosaic(*lv)
+            public = GM.fp8_row_gemv_mosaic
+        x = _xs(ctx, m, k, 1)[0]
+        new = np.asarray(public(x, *w, n=n, interpret=ctx.interpret))
+        old = np.asarray(_legacy_gemv(fmt, x, *w, n=n, interpret=ctx.interpret))
+        bad = np.argwhere(new != old)
+        rec.update(
+            rel_err=BK._rel_err(new, G.KERNELS[fmt][1](x, *lv)),
+            legacy_rel_err=BK._rel_err(old, G.KERNELS[fmt][1](x, *lv)),
+            mismatches=int(bad.shape[0]),
+            mismatch_rows=sorted({int(i) for i in bad[:, 0]})[:16],
+            mismatch_cols=sorted({int(j) for j in bad[:, 1]})[:16],
+            max_abs_diff=float(np.max(np.abs(new - old))),
+        )
+        rec["ok"] = bool(rec["rel_err"] < TOL and rec["mismatches"] == 0)
+    except Exception as e:
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+        traceback.print_exc()
+    ctx.emit(rec)
+
+
+def _row_identity(ctx, skip, fmt, name, n, k, x, w, layout, public, kw):
+    """Rows of an M-row call against the same rows computed alone (the M=1 default config and
+    the M-row call's config), bit for bit."""
+    import numpy as np
+
+    rid = f"epi_rows:{fmt}:{x.shape[0]}:{layout}"
+    if rid in skip or ctx.left() < 8:
+        return
+    ctx.emit(dict(kernel="_start", id=rid))
+    rec = _rec(f"{fmt}_gemv_mosaic_row_identity", name, x.shape[0], n, k, layout=layout, fmt=fmt)
+    try:
+        full = np.asarray(public(x, *w, **kw))
+        diffs = {}
+        for label, cfg in (("m1_default", None), ("same_config", kw["config"])):
+            for r in IDENTITY_ROWS:
+                one = np.asarray(public(x[r : r + 1], *w, **{**kw, "config": cfg}))[0]
+                diffs[f"{label}:{r}"] = float(np.max(np.abs(one - full[r])))
+        same = all(d == 0.0 for d in diffs.values())
+        # Interpret mode: the wgmma is an XLA:CPU dot whose summation order depends on N.
+        rec.update(ok=None if ctx.interpret else same, identical=same, max_abs_diff=diffs)
+    except Exception as e:
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+    ctx.emit(rec)
+
+
 def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, sweep: bool):
     import jax
 
@@ -563,6 +824,8 @@ def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, s
             child_mosaic_rows(ctx, skip)
         elif section == "mosaic_fp8":
             child_mosaic_fp8(ctx, skip)
+        elif section == "epilogue":
+            child_epilogue(ctx, skip)
         else:
             raise ValueError(f"unknown section {section!r}; expected one of {SECTIONS}")
     except Exception:
@@ -594,7 +857,8 @@ def _derive(records: list[dict]) -> list[dict]:
     # The fastest checked M=1 GEMV of each format and shape (any kernel, layout or config).
     m1: dict[tuple, float] = {}
     for r in timed:
-        if r["rows"] == 1 and "gemv" in r["kernel"] and not r["kernel"].endswith("_diag"):
+        whole_call = not r["kernel"].endswith(("_diag", "_kernel_only"))
+        if r["rows"] == 1 and "gemv" in r["kernel"] and whole_call:
             kk = (r["format"], r["shape"], r["n"], r["k"])
             m1[kk] = min(m1.get(kk, math.inf), r["time_us"])
     for r in records:
@@ -622,6 +886,9 @@ def _summary(records: list[dict]) -> str:
                 f"FAIL {r.get('kernel')} {r.get('shape', '')} rows={r.get('rows', '')} "
                 f"cfg={r.get('config')} {str(err)[-400:]}"
             )
+    for r in records:
+        if r.get("kernel", "").endswith("_row_identity") and r.get("ok"):
+            lines.append(f"ok {r['kernel']} rows={r['rows']} {r.get('max_abs_diff')}")
     hdr = (
         f"{'kernel':<34}{'shape':<14}{'rows':>5}{'time_us':>10}{'vs XLA':>8}{'vs Triton':>10}"
         f"{'vs M=1':>8}  config"
@@ -633,6 +900,7 @@ def _summary(records: list[dict]) -> str:
         cfg = r.get("config") or {}
         cs = ",".join(f"{a}={b}" for a, b in cfg.items())
         cs = f"{r['layout']}:{cs}" if r.get("layout") else cs
+        cs = f"{r['variant']}:{cs}" if r.get("variant") else cs
         fmt = lambda v, w: f"{v:{w}.3f}" if v is not None else " " * w  # noqa: E731
         lines.append(
             f"{r['kernel']:<34}{r['shape']:<14}{r['rows']:>5}{r['time_us']:>10.1f}"
