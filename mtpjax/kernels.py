@@ -1,13 +1,14 @@
 """Wires the Pallas GPU kernels of `pallas_kernels/` into `linear` and the LM head.
 
-Which kernel a ``[N, K]`` weight and ``M`` rows of activations get on the GPU (all measured on
-the H200 LM head, `benchmarks/results/kernels_mosaic_rows_fp8_h200.json`):
+Which kernel a ``[N, K]`` weight and ``M`` rows of activations get on the GPU (measured on the
+H200 LM head; `benchmarks/results/linear_h200.json` times this dispatch against XLA):
 
 * NVFP4 and FP8 per-row weights whose shape suits the TMA copies (N % 8 == 0; K % 256 == 0
   for NVFP4, K % 128 == 0 for FP8 — every real projection and head): the Mosaic GPU
   tensor-core GEMV at every row count, up to 128 rows per call and a loop over 128-row chunks
-  beyond, reading the row-major weight once per call. One kernel family for every row count also means a row's logits do not
-  depend on how many rows share the call (decode, verify and a batch score it alike).
+  beyond, reading the row-major weight once per call. One kernel family for every row count
+  also means a row's logits do not depend on how many rows share the call (decode, verify and
+  a batch score it alike; bench_linear checks it bit for bit on the GPU).
 * BF16: the Triton GEMV for 1..8 rows; from 9 rows one XLA dot on BF16 operands.
 * FP8 block-128, and NVFP4/FP8 of other shapes: the Triton GEMV for up to 32 rows, a loop over
   32-row chunks beyond (FP8 per-row of other shapes: the XLA BF16-operand dot from 9 rows,
@@ -17,10 +18,11 @@ the H200 LM head, `benchmarks/results/kernels_mosaic_rows_fp8_h200.json`):
 
 The LM head's verify tier (the Triton verify GEMM on the transposed copy that
 ``with_verify_copy`` builds) is registered for every format with ``auto=False``: the row-major
-paths above measured faster at verify widths on the H200 LM head
-(`benchmarks/results/linear_h200.json`, 96 rows: NVFP4 627 us against 2357 on the copy, FP8 631
-against 1597, FP8 block-128 1567 against 2122, BF16's XLA dot 682 against 882), so the default
-tier choice never reads a copy; ``tier="verify_gemm"`` still runs the kernel.
+paths above were faster at verify widths on the H200 LM head, so the default tier choice never
+reads a copy; ``tier="verify_gemm"`` still runs the kernel. At 96 rows, one run each: NVFP4 606
+us against 2357 on the copy, FP8 714 against 1597 (`kernels_mosaic_rows_fp8_h200.json`, before
+the fused epilogue); FP8 block-128 1567 against 2122, BF16 682 against 882
+(`linear_h200_verify_copy.json`; all four synced timings).
 
 The XLA reference computes F32 activations in F32 at HIGHEST precision (exact on the CPU, and
 FFMA-bound on a GPU); the kernels take BF16 activations (W4A16 / W8A16 / BF16): F32

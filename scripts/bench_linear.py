@@ -64,8 +64,9 @@ TOL = 1e-4
 
 
 class Ctx(BK.Ctx):
-    def __init__(self, smoke: bool, deadline: float, out_path: str, shapes: str):
+    def __init__(self, smoke: bool, deadline: float, out_path: str, shapes: str, formats: str):
         super().__init__(smoke, deadline, out_path, "quick", shapes)
+        self.formats = tuple(formats.split(","))
 
 
 def _quantized(ctx, fmt: str, n: int, k: int):
@@ -157,7 +158,7 @@ def _shape_block(ctx, name: str, n: int, k: int, rows: tuple[int, ...]):
         sets = [(w_bf16[0],)] * _launches(ctx, 2 * est_us)
         _emit_timed(ctx, rec, lambda a: a + 0, sets, nbytes=2 * n * k * 2)
     xla_pass("before")
-    for fmt in FORMATS:
+    for fmt in ctx.formats:
         ws = [_quantized(ctx, fmt, n, k) for _ in range(_weight_copies(ctx, n * k // 2))]
         wf = mtpjax.dequantize(ws[0]).astype(jnp.float32)
         for m in rows:
@@ -194,7 +195,7 @@ def section_head(ctx):
     name, n, k = ("lm_head", 1024, 512) if ctx.smoke else LM_HEAD
     rows = SMOKE_HEAD_ROWS if ctx.smoke else HEAD_ROWS
     cfg = LMHeadConfig(vocab_size=n, hidden_size=k)
-    for fmt in FORMATS:
+    for fmt in ctx.formats:
         if ctx.left() < 20:
             break
         params = init_lm_head(
@@ -239,12 +240,12 @@ def section_head(ctx):
         del params
 
 
-def run_child(section: str, smoke: bool, deadline: float, out_path: str, shapes: str):
+def run_child(section: str, smoke: bool, deadline: float, out_path: str, shapes: str, formats: str):
     import jax
 
     if smoke:
         jax.config.update("jax_platforms", "cpu")
-    ctx = Ctx(smoke, deadline, out_path, shapes)
+    ctx = Ctx(smoke, deadline, out_path, shapes, formats)
     ctx.emit(
         dict(kernel="_env", section=section, jax=jax.__version__, device=str(jax.devices()[0]))
     )
@@ -360,6 +361,7 @@ def main(argv=None):
     ap.add_argument("--from-json", default=None, help="only re-derive, summarise and plot a JSON")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"from {','.join(SECTIONS)}")
     ap.add_argument("--shapes", default="lm_head", choices=("lm_head", "all"))
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"from {','.join(FORMATS)}")
     ap.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -369,8 +371,10 @@ def main(argv=None):
     sections = [s for s in args.sections.split(",") if s]
     if set(sections) - set(SECTIONS):
         ap.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}; from {SECTIONS}")
+    if set(args.formats.split(",")) - set(FORMATS):
+        ap.error(f"unknown formats in {args.formats!r}; from {FORMATS}")
     if args.child:
-        run_child(args.child, args.smoke, args.deadline, args.out, args.shapes)
+        run_child(args.child, args.smoke, args.deadline, args.out, args.shapes, args.formats)
         return 0
     if args.from_json:
         with open(args.from_json) as f:
@@ -386,7 +390,8 @@ def main(argv=None):
                 deadline = time.time() + left * (
                     0.6 if sec == "linear" and i < len(sections) - 1 else 1.0
                 )
-                extra = ["--shapes", args.shapes] + (["--smoke"] if args.smoke else [])
+                extra = ["--shapes", args.shapes, "--formats", args.formats]
+                extra += ["--smoke"] if args.smoke else []
                 path = os.path.join(tmp, f"{sec}.jsonl")
                 rc, _, err, recs = BK.run_section_child(
                     __file__, sec, path, deadline, extra, grace=30
