@@ -3,18 +3,18 @@
 Which kernel a ``[N, K]`` weight and ``M`` rows of activations get on the GPU (measured on the
 H200 LM head; `benchmarks/results/linear_h200.json` times this dispatch against XLA):
 
-* NVFP4 and FP8 per-row weights whose shape suits the TMA copies (N % 8 == 0; K % 256 == 0
-  for NVFP4, K % 128 == 0 for FP8 — every real projection and head): the Mosaic GPU
+* NVFP4, FP8 per-row and FP8 block-128 weights whose shape suits the TMA copies (N % 8 == 0;
+  K % 256 == 0 for NVFP4, K % 128 == 0 for FP8 — every real projection and head): the Mosaic GPU
   tensor-core GEMV at every row count, up to 128 rows per call and a loop over 128-row chunks
   beyond, reading the row-major weight once per call. One kernel family for every row count
   also means a row's logits do not depend on how many rows share the call (decode, verify and
   a batch score it alike; bench_linear checks it bit for bit on the GPU).
 * BF16: the Triton GEMV for 1..8 rows; from 9 rows one XLA dot on BF16 operands.
-* FP8 block-128, and NVFP4/FP8 of other shapes: the Triton GEMV for up to 32 rows, a loop over
-  32-row chunks beyond (FP8 per-row of other shapes: the XLA BF16-operand dot from 9 rows,
-  FP8 widened to BF16 inside the dot's fusion and the per-row scale applied after). XLA has
-  no fused decode for these formats: its dequantise-then-dot path writes and re-reads the
-  weight in BF16 and was 8x slower than a GEMV pass.
+* The quantised formats in other shapes: the Triton GEMV for up to 32 rows, a loop over
+  32-row chunks beyond (FP8 per-row: the XLA BF16-operand dot from 9 rows, FP8 widened to
+  BF16 inside the dot's fusion and the per-row scale applied after). XLA has no fused decode
+  for NVFP4 or block scales: its dequantise-then-dot path writes and re-reads the weight in
+  BF16 and was 8x slower than a GEMV pass.
 
 The LM head's verify tier (the Triton verify GEMM on the transposed copy that
 ``with_verify_copy`` builds) is registered for every format with ``auto=False``: the row-major
@@ -59,6 +59,11 @@ _GEMVS: dict[WeightFormat, tuple[Callable, Callable[[Weight], tuple[jax.Array, .
 # Per format whose Mosaic GEMV exists: the kernel, its leaves and its K granularity.
 _MOSAIC_GEMVS: dict[WeightFormat, tuple[Callable, Callable[[Weight], tuple], int]] = {
     WeightFormat.FP8: (pk.fp8_row_gemv_mosaic, lambda w: (w.q, w.scale), pk.MOSAIC_FP8_K_ALIGN),
+    WeightFormat.FP8_BLOCK: (
+        pk.fp8_block_gemv_mosaic,
+        lambda w: (w.q, w.scale_inv),
+        pk.MOSAIC_FP8_K_ALIGN,
+    ),
     WeightFormat.NVFP4: (
         pk.nvfp4_gemv_mosaic,
         lambda w: (w.packed, w.scale, w.scale_2),

@@ -7,7 +7,7 @@ the same signature, accumulates in F32 and is both the fallback and the test ora
 :func:`gpu_available` to decide between them.
 
 Kernel families: ``gemv`` (Triton; 1..32 rows, the weight streamed once for all rows),
-``gemv_mosaic`` (Mosaic GPU ``wgmma``; NVFP4 and FP8 per-row, 1..128 rows), ``verify_gemm``
+``gemv_mosaic`` (Mosaic GPU ``wgmma``; NVFP4, FP8 per-row and block-128, 1..128 rows), ``verify_gemm``
 (Triton; 9..96 rows on the transposed padded copy of :func:`make_transposed`), ``argmax`` and
 ``paged_attention``. Which one a projection gets on the GPU is `mtpjax.kernels`' choice.
 """
@@ -32,8 +32,10 @@ from pallas_kernels.gemv_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
 from pallas_kernels.gemv_mosaic import N_ALIGN as MOSAIC_N_ALIGN
 from pallas_kernels.gemv_mosaic import (
     MosaicGemvConfig,
+    fp8_block_gemv_mosaic,
     fp8_row_gemv_mosaic,
     nvfp4_gemv_mosaic,
+    prepare_fp8_block_mosaic,
     prepare_fp8_row_mosaic,
     prepare_nvfp4_mosaic,
 )
@@ -71,6 +73,7 @@ __all__ = [
     "bf16_gemv",
     "bf16_gemv_reference",
     "fp8_block_gemv",
+    "fp8_block_gemv_mosaic",
     "fp8_block_gemv_reference",
     "fp8_row_gemv",
     "fp8_row_gemv_mosaic",
@@ -82,6 +85,7 @@ __all__ = [
     "nvfp4_gemv_reference",
     "paged_attention",
     "paged_attention_reference",
+    "prepare_fp8_block_mosaic",
     "prepare_fp8_row_mosaic",
     "prepare_nvfp4_mosaic",
     "verify_gemm_bf16",

@@ -1,4 +1,5 @@
-"""NVFP4 and FP8 per-row GEMV (1 to 128 rows) on Hopper tensor cores through Mosaic GPU Pallas.
+"""NVFP4, FP8 per-row and FP8 block-128 GEMV (1 to 128 rows) on Hopper tensor cores through Mosaic
+GPU Pallas.
 
 The Triton NVFP4 GEMV (:func:`pallas_kernels.gemv.nvfp4_gemv`) spends ~5-6 ALU instructions per
 weight element (decode, scale, convert, FMA) and is ALU-bound on H200. Here the multiply-adds go
@@ -22,6 +23,14 @@ FP8 per-row decode (:func:`fp8_row_gemv_mosaic`): the same word holds four E4M3 
 row; each byte pair converts exactly to one ``f16x2`` register (E4M3 is exact in float16), so
 inside every 16-element block logical column ``8u + 2q + e`` holds element ``4q + 2u + e``
 (:func:`permute_k` with ``fmt="fp8_row"``).
+
+FP8 block-128 (:func:`fp8_block_gemv_mosaic`, DeepSeek-V3 ``weight_scale_inv``): the FP8 decode
+and pipeline, with 64- or 128-row CTAs aligned to the 128-row scale blocks, so a CTA's scale is
+one scalar per 128-wide K block: each K block's two ``wgmma`` chunks accumulate into a fresh F32
+accumulator, awaited and added into the main one (a pipeline carry) times that scalar, in F32.
+Measured on H200 (LM head, steady state): 279 us at M=1, 291 at M=8, 308 at M=32, 384 at M=64,
+575 at M=96 (128-row CTAs), within 2% of the FP8 per-row kernel up to M=32 (5% on [12288,
+5120] at M=1; Triton FP8 block-128: 364, 374, 444 us at M=1, 8, 32; XLA BF16 GEMV 561 us).
 
 Epilogue: each CTA scales its F32 accumulator in registers (FP8: ``acc * scale[n] * xinv[row]``;
 NVFP4: ``acc * (xinv[row] * scale_2 * 2**14)``, the factor made by the wrapper; in F32, the order
@@ -57,13 +66,14 @@ Shapes:
   NVFP4:    packed uint8[N, K/2] (element 2j of a row is the low nibble of byte j),
             scale float8_e4m3fn[N, K/16], scale_2 f32[]
   FP8:      q float8_e4m3fn[N, K], scale f32[N]
+  FP8 block-128: q float8_e4m3fn[N, K], scale_inv f32[ceil(N/128), K/128]
   out:      f32[M, N]
 
 Layout requirements: the TMA copies move swizzled 8-row tiles of 128-byte rows, so N must be a
 multiple of 8 and K of 256 for NVFP4 (also 16-byte aligned ``scale`` rows of K/16 bytes) or of
 128 for FP8 (one 128-byte swizzle row). :func:`prepare_nvfp4_mosaic` /
-:func:`prepare_fp8_row_mosaic` pad other weights once (pass ``n=`` the original N to drop the
-padded rows). N need not be a multiple of block_n, nor K of block_k, for the untiled layouts: TMA
+:func:`prepare_fp8_row_mosaic` / :func:`prepare_fp8_block_mosaic` pad other weights once (pass
+``n=`` the original N to drop the padded rows). N need not be a multiple of block_n, nor K of block_k, for the untiled layouts: TMA
 zero-fills the rows and columns past the weight's.
 
 Interpret mode (``interpret=True``, CPU): Mosaic GPU's interpreter cannot run inline Mosaic code
@@ -99,7 +109,11 @@ N_ALIGN = 8
 #: Logical K columns per ``wgmma`` call (one 128-byte swizzle row of float16).
 _CHUNK = 64
 #: K elements per code byte, per weight format.
-_ELEMS_PER_BYTE = {"nvfp4": 2, "fp8_row": 1}
+_ELEMS_PER_BYTE = {"nvfp4": 2, "fp8_row": 1, "fp8_block": 1}
+#: The FP8 formats: one E4M3 code per byte, the same decode and K permutation.
+_FP8_FORMATS = ("fp8_row", "fp8_block")
+#: Rows and columns of one FP8 block-128 scale (DeepSeek-V3 ``weight_scale_inv``).
+FP8_BLOCK = 128
 
 _IDX = 0x0E000E00  # index bits of a float16 pair (9..11 and 25..27)
 _SIGN = 0x80008000  # sign bits of a float16 pair (15 and 31)
@@ -197,6 +211,12 @@ def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvC
       CTA halve it against 64 (NVFP4 M=64: 420 against 473 us, M=128: 693 against 761; FP8
       M=96: 714 against 817). At m_pad > 48 only one CTA fits an SM with either width, so the
       wider CTA costs no occupancy, only registers (an accumulator of m_pad F32 per thread).
+    * FP8 block-128 (``fmt="fp8_block"``): 64x256, but 128x256 at 64 < m_pad <= 96. Its CTA
+      holds two accumulators (the main one and each K block's partial sum) of ``block_n *
+      m_pad / 128`` F32 registers per thread. Measured on the H200 LM head (steady state,
+      ``benchmarks/results/kernels_mosaic_fp8_block_h200.json``): M=1 64x256 279 us, 64x512
+      279; M=8 291 against 290 with 128 rows; M=64 384 against 413; M=96 676 against 575, so
+      128 rows there in spite of 192 accumulator registers. M=128 (256 with 128 rows) keeps 64.
 
     Timed on the H200 LM head [248320, 5120] before the fused epilogue
     (``benchmarks/results/kernels_mosaic_rows_fp8_h200.json``, from
@@ -210,6 +230,8 @@ def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvC
         block_n, block_k = 64, (512 if fmt == "nvfp4" else 256)
     else:
         block_n, block_k = (64 if m_pad <= 32 else 128), 256
+        if fmt == "fp8_block":
+            block_n = 128 if 64 < m_pad <= 96 else 64
     block_k = block_k if k >= block_k else K_ALIGN
     return MosaicGemvConfig(block_n=block_n, block_k=block_k, stages=2)
 
@@ -281,6 +303,30 @@ def prepare_nvfp4_mosaic(
 
         packed, scale = tile(packed, block_k // 2), tile(scale, block_k // 16)
     return packed, scale
+
+
+def prepare_fp8_block_mosaic(q: jax.Array, scale_inv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Pad an FP8 block-128 weight once to the kernel's granularity (a checkpoint-conversion
+    step).
+
+    Pads N to a multiple of :data:`N_ALIGN` and K to one of :data:`FP8_BLOCK` with zero codes;
+    ``scale_inv`` f32[ceil(N/128), ceil(K/128)] already covers the padded weight (padded codes
+    are zero whatever their scale) and is only cast to F32. Call :func:`fp8_block_gemv_mosaic`
+    with ``n=`` the original N. A no-op for every Qwen3.5/3.6 projection and the LM head.
+
+    Returns:
+      (q float8_e4m3fn[Np, Kp], scale_inv f32[Np/128 rounded up, Kp/128]).
+    """
+    n, k = q.shape
+    if scale_inv.shape != (C.cdiv(n, FP8_BLOCK), C.cdiv(k, FP8_BLOCK)):
+        raise ValueError(
+            f"scale_inv must be [{C.cdiv(n, FP8_BLOCK)}, {C.cdiv(k, FP8_BLOCK)}], "
+            f"got {list(scale_inv.shape)}"
+        )
+    np_, kp = C.round_up(n, N_ALIGN), C.round_up(k, FP8_BLOCK)
+    if (np_, kp) != (n, k):
+        q = jnp.pad(q, ((0, np_ - n), (0, kp - k)))
+    return q, scale_inv.astype(jnp.float32)
 
 
 def prepare_fp8_row_mosaic(q: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -544,7 +590,7 @@ def _swizzled(bits: int) -> tuple:
 
 def _weight_specs(fmt: str, layout: str, bn: int, bk: int, ni) -> list:
     """BlockSpecs of the weight operands of one CTA step (codes first)."""
-    if fmt == "fp8_row":
+    if fmt in _FP8_FORMATS:
         return [plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), transforms=_swizzled(8))]
     if layout == "tiled":  # one contiguous [bn, bk] tile per step
         return [
@@ -585,14 +631,22 @@ def _build_kernel(
     epilogue: str = "fused",
     terms_decode: bool = False,
 ):
-    """The GEMV kernel of either format (one pipeline, the decode chosen by ``fmt``).
+    """The GEMV kernel of every format (one pipeline, the decode chosen by ``fmt``).
 
     Operands: x float16[m_pad, K] (permuted for ``fmt``), f32[m_pad] row factors, then NVFP4
     codes uint8[N, K/2] and scales uint8[N, K/16] (4-D tiles for "tiled"), or FP8 codes
-    uint8[N, K] and f32[cdiv(N, block_n) * block_n] row scales of the weight.
+    uint8[N, K] and f32[cdiv(N, block_n) * block_n] row scales of the weight ("fp8_row"), or
+    FP8 codes uint8[N, K] and block scales f32[cdiv(N, 128), K/128] ("fp8_block").
 
-    Returns (``epilogue="fused"``) f32[m, N]: ``acc * row_factor`` (NVFP4) or ``acc * scale[n] *
-    row_factor`` (FP8), in that order in F32. Each CTA scales its [block_n, m_pad] accumulator
+    FP8 block-128 (``block_n`` 64 or 128, so a CTA's rows share one scale row): each 128-wide K
+    block (one 128-byte code slab, two ``wgmma`` chunks) accumulates into a fresh F32
+    accumulator, which is awaited (``wgmma_wait(0)``) and added into the main one, a pipeline
+    carry, times the block's scale, read as a scalar from global memory (in F32: scaling the
+    float16 operand would round).
+
+    Returns (``epilogue="fused"``) f32[m, N]: ``acc * row_factor`` (NVFP4, FP8 block-128) or
+    ``acc * scale[n] * row_factor`` (FP8 per-row), in that order in F32. Each CTA scales its
+    [block_n, m_pad] accumulator
     in registers, moves it to the ``WGMMA_TRANSPOSED`` layout (one shuffle per register pair),
     stores it into a [m_pad, block_n] shared-memory tile through a transposed view (the
     pipeline's buffers, free by then) and copies the tile out with TMA, which drops the rows
@@ -616,11 +670,71 @@ def _build_kernel(
     chunks_per_slab = slab * _ELEMS_PER_BYTE[fmt] // _CHUNK
     n_weights = 2 if fmt == "nvfp4" else 1
     fused = epilogue == "fused"
+    block_scaled = fmt == "fp8_block"
+    if block_scaled and (FP8_BLOCK % bn or k % FP8_BLOCK):
+        raise ValueError(
+            f"fp8_block needs block_n in (64, 128) and K % {FP8_BLOCK} == 0, got "
+            f"block_n={bn}, K={k}"
+        )
+    k_cols = k // FP8_BLOCK  # scale columns (fp8_block)
 
     def body(x_gmem, *refs):
         rowf_gmem, refs = (refs[0], refs[1:]) if fused else (None, refs)
-        w_gmem, (*colf_gmem, out_gmem) = refs[:n_weights], refs[n_weights:]
+        w_gmem, refs = refs[:n_weights], refs[n_weights:]
+        bscale_gmem, refs = (refs[0], refs[1:]) if block_scaled else (None, refs)
+        *colf_gmem, out_gmem = refs
         ni = jax.lax.axis_index("n")
+
+        def block_scale(ki, s):
+            """The scale of K block ``s`` of step ``ki``, an F32 scalar (blocks past K, which
+            the pipeline zero-fills, read the last column)."""
+            col = ki * (bk // FP8_BLOCK) + s
+            if k % bk:
+                col = jnp.minimum(col, k_cols - 1)
+            return bscale_gmem[ni * bn // FP8_BLOCK, col]
+
+        def step_block_gpu(ki, carry, x_smem, codes_smem):
+            for s in range(bk // FP8_BLOCK):
+                codes = plgpu.load(
+                    codes_smem.at[:, pl.ds(s * FP8_BLOCK, FP8_BLOCK)],
+                    layout=plgpu.Layout.WGMMA_8BIT,
+                )
+                scale = block_scale(ki, s)  # loaded early: its latency hides behind the MMAs
+
+                def block_mma(part_ref, codes=codes, s=s):
+                    for c in range(FP8_BLOCK // _CHUNK):
+                        a = _decode_chunk_gpu(
+                            codes,
+                            None,
+                            fmt=fmt,
+                            chunk=c,
+                            block_n=bn,
+                            layout=layout,
+                            skip=skip_decode,
+                        )
+                        col = s * FP8_BLOCK + c * _CHUNK
+                        plgpu.wgmma(part_ref, a, x_smem.at[:, pl.ds(col, _CHUNK)].T)
+                        plgpu.wgmma_wait(1)
+                    return part_ref[...]  # waits for every wgmma
+
+                part = pl.run_scoped(block_mma, plgpu.ACC((bn, m_pad)))
+                carry = carry + part * scale
+            return carry
+
+        def step_block_interpret(ki, carry, x_smem, a_smem, codes_smem):
+            a_smem[...] = decode_tile_fp8(codes_smem[...])
+            for s in range(bk // FP8_BLOCK):
+
+                def block_mma(part_ref, s=s):
+                    for c in range(FP8_BLOCK // _CHUNK):
+                        cols = pl.ds(s * FP8_BLOCK + c * _CHUNK, _CHUNK)
+                        plgpu.wgmma(part_ref, a_smem.at[:, cols], x_smem.at[:, cols].T)
+                        plgpu.wgmma_wait(1)
+                    return part_ref[...]
+
+                part = pl.run_scoped(block_mma, plgpu.ACC((bn, m_pad)))
+                carry = carry + part * block_scale(ki, s)
+            return carry
 
         def step_gpu(acc_ref, x_smem, codes_smem, *scale_smem):
             for s in range(tile_bytes // slab):
@@ -651,6 +765,11 @@ def _build_kernel(
                 plgpu.wgmma(acc_ref, a_smem.at[:, cols], x_smem.at[:, cols].T)
                 plgpu.wgmma_wait(1)
 
+        in_specs = [
+            *_weight_specs(fmt, layout, bn, bk, ni),
+            plgpu.BlockSpec((m_pad, bk), lambda ki: (0, ki), transforms=_swizzled(16)),
+        ]
+
         def run(acc_ref, *scratch):
             def pipeline_body(_, *smem):
                 *w_smem, x_smem = smem
@@ -663,15 +782,28 @@ def _build_kernel(
                 plgpu.wgmma_wait(0)
 
             plgpu.emit_pipeline(
-                pipeline_body,
-                grid=(k_steps,),
-                in_specs=[
-                    *_weight_specs(fmt, layout, bn, bk, ni),
-                    plgpu.BlockSpec((m_pad, bk), lambda ki: (0, ki), transforms=_swizzled(16)),
-                ],
-                max_concurrent_steps=cfg.stages,
+                pipeline_body, grid=(k_steps,), in_specs=in_specs, max_concurrent_steps=cfg.stages
             )(*w_gmem, x_gmem)
             return acc_ref[...]
+
+        def run_block_scaled(*scratch):
+            """fp8_block: the main accumulator is the pipeline's carry (each K block's partial
+            sum, already awaited, is added to it in registers)."""
+
+            def pipeline_body(idx, *smem_and_carry):
+                *w_smem, x_smem, carry = smem_and_carry
+                if interpret:
+                    return step_block_interpret(idx[0], carry, x_smem, *scratch, *w_smem)
+                return step_block_gpu(idx[0], carry, x_smem, *w_smem)
+
+            zero = plgpu.layout_cast(jnp.zeros((bn, m_pad), jnp.float32), plgpu.Layout.WGMMA)
+            return plgpu.emit_pipeline(
+                pipeline_body,
+                grid=(k_steps,),
+                in_specs=in_specs,
+                max_concurrent_steps=cfg.stages,
+                init_carry=zero,
+            )(*w_gmem, x_gmem)
 
         def store_fused(acc, o_smem):
             if colf_gmem:  # FP8: the weight row's scale first, as the unfused path did
@@ -689,7 +821,10 @@ def _build_kernel(
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def with_scratch(*scratch):
-            acc = pl.run_scoped(lambda acc_ref: run(acc_ref, *scratch), plgpu.ACC((bn, m_pad)))
+            if block_scaled:
+                acc = run_block_scaled(*scratch)
+            else:
+                acc = pl.run_scoped(lambda acc_ref: run(acc_ref, *scratch), plgpu.ACC((bn, m_pad)))
             if not fused:
                 out_gmem.at[pl.ds(ni * bn, bn)][...] = acc
             else:  # a scope after the pipeline's: its shared memory is reused
@@ -865,4 +1000,56 @@ def fp8_row_gemv_mosaic(
     kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8_row")
     colf = _pad_to(scale.astype(jnp.float32), C.cdiv(nw, cfg.block_n) * cfg.block_n)
     out = kernel(x16, _pad_to(xinv, x16.shape[0]), C.as_u8(q), colf)
+    return out[:, :n] if n < nw else out
+
+
+@functools.partial(jax.jit, static_argnames=("n", "config", "interpret"))
+def fp8_block_gemv_mosaic(
+    x: jax.Array,
+    q: jax.Array,
+    scale_inv: jax.Array,
+    *,
+    n: int | None = None,
+    config: MosaicGemvConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """FP8 block-128 W8A16 GEMV on Hopper tensor cores; same contract as
+    ``gemv.fp8_block_gemv``: ``x @ w.T`` with ``w = q * scale_inv[n // 128, k // 128]``.
+
+    Args:
+      x: bf16[M, K] activations, 1 <= M <= 128.
+      q: float8_e4m3fn[Nw, Kw], Nw a multiple of 8 and Kw of 128 with K <= Kw < K + 128
+        (:func:`prepare_fp8_block_mosaic` pads other weights once; columns past K must be zero).
+      scale_inv: f32[ceil(Nw/128), Kw/128] block scales, applied in F32 to each 128-wide K
+        block's F32 partial sum.
+      n: output rows to keep (the weight's N before padding); default Nw.
+      config: tile sizes, ``block_n`` 64 or 128 (:func:`default_config` with
+        ``fmt="fp8_block"`` when None).
+      interpret: run Mosaic GPU's CPU interpreter (slow; tests only).
+
+    Returns:
+      f32[M, n].
+    """
+    _check_rows(x)
+    m, k = x.shape
+    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"q must be float8_e4m3fn[N, K], got {q.dtype}{list(q.shape)}")
+    nw, kw = q.shape
+    if kw % FP8_BLOCK or nw % N_ALIGN:
+        raise ValueError(
+            f"q must be [N, K] with N % {N_ALIGN} == 0 and K % {FP8_BLOCK} == 0, got "
+            f"N={nw}, K={kw}; pad the weight once with prepare_fp8_block_mosaic"
+        )
+    if not k <= kw < k + FP8_BLOCK:
+        raise ValueError(f"x K={k} must match the weight's K={kw}")
+    want = (C.cdiv(nw, FP8_BLOCK), kw // FP8_BLOCK)
+    if scale_inv.shape != want:
+        raise ValueError(f"scale_inv must be {list(want)}, got {list(scale_inv.shape)}")
+    n = _check_n(n, nw, N_ALIGN)
+    cfg = config or default_config(m, nw, kw, fmt="fp8_block")
+    if cfg.block_n > FP8_BLOCK:
+        raise ValueError(f"fp8_block needs block_n <= {FP8_BLOCK}, got {cfg.block_n}")
+    x16, xinv = _prepare_x(x, kw, "fp8_block")
+    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8_block")
+    out = kernel(x16, _pad_to(xinv, x16.shape[0]), C.as_u8(q), scale_inv.astype(jnp.float32))
     return out[:, :n] if n < nw else out

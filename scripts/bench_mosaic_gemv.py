@@ -5,6 +5,11 @@ The fused epilogue and the 11-op checkpoint decode against the earlier kernel, s
     PYTHONPATH=. python3 scripts/bench_mosaic_gemv.py --sections epilogue --budget-s 240 \
         --json $OUT/epilogue.json --logdir $OUT/logs
 
+FP8 block-128 (one run, under 4 minutes incl. compiles):
+
+    PYTHONPATH=. python3 scripts/bench_mosaic_gemv.py --sections mosaic_fp8_block \
+        --budget-s 200 --json $OUT/fp8_block.json --logdir $OUT/logs
+
 The many-row and FP8 sections (one run, under 4 minutes incl. compiles):
 
     MOSAIC_GPU_DUMP_PTXAS=1 PYTHONPATH=. python3 scripts/bench_mosaic_gemv.py \
@@ -34,6 +39,15 @@ Sections (``--sections``, default ``baselines,mosaic``, the measured M=1..8 run)
   ``fp8_row_gemv`` (M <= 32), ``verify_gemm_fp8_row`` (M >= 16), XLA's BF16 GEMV and XLA's FP8
   dequant+dot at the same shape and M. Targets: M=1 <= 0.55x XLA BF16 (``ratio``); M=2..8 <=
   1.15x of M=1 (``ratio_vs_m1``).
+* ``mosaic_fp8_block``: :func:`pallas_kernels.gemv_mosaic.fp8_block_gemv_mosaic` (DeepSeek-V3
+  block-128 FP8) checked on a small odd shape (M=3, 96; N=1021, K=4640), then on the LM head at
+  M = 1, 8, 32, 64, 96 and on [12288, 5120] at M = 1, 8 (each checked on its first launch)
+  against the Triton ``fp8_block_gemv`` (M <= 32), XLA's BF16 GEMV and the Mosaic
+  ``fp8_row_gemv_mosaic`` (the per-row kernel it should approach, ``ratio_vs_fp8_row_mosaic``)
+  at the same shape and M; rows 0, 37, 95 of the 96-row call against the same rows alone (bit
+  for bit); then, budget permitting, a few other tiles (``FP8_BLOCK_EXTRA``). Times are
+  steady-state (``bench_kernels.time_steady``: calls queued back to back, ``time_us``; with a
+  sync after each call, ``synced_us``).
 * ``epilogue``: on the LM head, NVFP4 M=1 (checkpoint and tiled), FP8 M=1, NVFP4 and FP8 M=96
   (default configs), the whole call (``variant="fused"``) against the earlier path
   (``"legacy"``: the kernel's raw accumulator written transposed, f32[N, m_pad], scaled and
@@ -88,7 +102,18 @@ LM_ROWS = (1, 2, 4, 8)
 MANY_ROWS = (16, 32, 64, 96, 128)
 #: mosaic_fp8: (shape, rows) timed.
 FP8_SHAPES = ((*LM_HEAD, (1, 2, 4, 8, 32, 96)), (*MOE_HEAD, (1, 8)))
-SECTIONS = ("baselines", "mosaic", "mosaic_rows", "mosaic_fp8", "epilogue")
+QKV = ("qkv_like", 12288, 5120)
+#: mosaic_fp8_block: (shape, rows) timed; the default configs, then ``FP8_BLOCK_EXTRA``.
+FP8_BLOCK_SHAPES = ((*LM_HEAD, (1, 8, 32, 64, 96)), (*QKV, (1, 8)))
+#: mosaic_fp8_block: alternative tiles timed after every default (a short budget cuts them):
+#: (rows, config fields) on the LM head; the other CTA width, and 512-wide K steps at M=1.
+FP8_BLOCK_EXTRA = (
+    (1, dict(block_n=64, block_k=512, stages=2)),
+    (8, dict(block_n=128, block_k=256, stages=2)),
+    (64, dict(block_n=128, block_k=256, stages=2)),
+    (96, dict(block_n=64, block_k=256, stages=2)),
+)
+SECTIONS = ("baselines", "mosaic", "mosaic_rows", "mosaic_fp8", "epilogue", "mosaic_fp8_block")
 #: epilogue: (format, rows, NVFP4 layouts) on the LM head, fused vs the earlier kernel, most
 #: important first (a short budget cuts the last).
 EPILOGUE_PLAN = (
@@ -806,6 +831,151 @@ def _row_identity(ctx, skip, fmt, name, n, k, x, w, layout, public, kw):
     ctx.emit(rec)
 
 
+def _steady_variant(ctx, skip: set[str], rid: str, rec: dict, fn, sets, want, nb: int, n_launch):
+    """Steady-state time of ``fn`` over ``sets`` (``bench_kernels.time_steady``), its first
+    launch checked against ``want`` (None: unchecked), into ``rec``; errors recorded."""
+    if rid in skip or ctx.left() < 8:
+        return
+    ctx.emit(dict(kernel="_start", id=rid))
+    try:
+        kw = dict(reps=1, calls=(1, 2)) if ctx.smoke else {}
+        steady, synced, first = BK.time_steady(ctx, fn, sets, n_launch, **kw)
+        rec.update(time_us=steady, synced_us=synced, bytes=nb, gbps=nb / steady / 1e3)
+        if want is not None:
+            rec["rel_err"] = BK._rel_err(first, want)
+            rec["ok"] = bool(rec["rel_err"] < TOL)
+        else:
+            rec["ok"] = True
+        del first
+    except Exception as e:
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+        print(rec["error"], file=sys.stderr)
+    ctx.emit(rec)
+
+
+def child_mosaic_fp8_block(ctx, skip: set[str]):
+    """FP8 block-128 Mosaic against the Triton FP8 block GEMV, XLA BF16 and Mosaic FP8 per-row."""
+    from pallas_kernels import gemv as G
+    from pallas_kernels import gemv_mosaic as GM
+
+    interp = ctx.interpret
+
+    # 1) Small odd shape (N=1021 padded to 1024, K=4640 to 4736: ragged last scale blocks).
+    n, k = (1021, 4640) if not ctx.smoke else (131, 200)
+    q, sinv = BK._weights(ctx, "fp8_block", n, k)
+    qp, sp = GM.prepare_fp8_block_mosaic(q, sinv)
+    for m in (3, 96):
+        x = _xs(ctx, m, k, 1)[0]
+        cfg = GM.default_config(m, *qp.shape, fmt="fp8_block")
+        rec = _rec(
+            "fp8_block_gemv_mosaic",
+            "small",
+            m,
+            n,
+            k,
+            fmt="fp8_block",
+            config=BK._cfg_dict(cfg),
+            check="small",
+        )
+        fn = functools.partial(GM.fp8_block_gemv_mosaic, n=n, interpret=interp)
+        want = G.fp8_block_gemv_reference(x, q, sinv)
+        _check_small(ctx, skip, f"check:fp8_block:{m}", rec, fn, (x, qp, sp), want)
+    del q, sinv, qp, sp
+
+    # 2) Timed shapes: the defaults and every baseline, then other tiles.
+    shapes = FP8_BLOCK_SHAPES
+    if ctx.smoke:
+        shapes = (("lm_head", 136, 512, (1, 96)), ("qkv_like", 200, 256, (1,)))
+    extra = FP8_BLOCK_EXTRA if not ctx.smoke else FP8_BLOCK_EXTRA[:1]
+    weights, later = {}, []
+    for name, n, k, rows in shapes:
+        for fmt in ("fp8_block", "fp8_row"):
+            weights[name, fmt] = _weight_sets(ctx, n, k, fmt)
+        bf16 = [BK._weights(ctx, "bf16", n, k) for _ in range(MIN_COPIES)]
+        sets_w, nb = weights[name, "fp8_block"]
+        row_w, row_nb = weights[name, "fp8_row"]
+        # Aligned shapes (prepare pads nothing, casts the scales): the checkpoint leaves.
+        prepped = [GM.prepare_fp8_block_mosaic(*w) for w in sets_w]
+        n_launch = _launches(ctx, nb, nb / 4.0e6)
+        for m in rows:
+            if ctx.left() < 10:
+                ctx.emit(dict(kernel="_deadline", shape=name, rows=m))
+                return
+            xs = _xs(ctx, m, k, min(n_launch, 8))
+            sets = [(x, *prepped[i % len(prepped)]) for i, x in enumerate(xs)]
+            want = G.fp8_block_gemv_reference(xs[0], *sets_w[0])
+            cfg = GM.default_config(m, n, k, fmt="fp8_block")
+            kw = dict(n=n, config=cfg, interpret=interp)
+            rec = _rec(
+                "fp8_block_gemv_mosaic",
+                name,
+                m,
+                n,
+                k,
+                fmt="fp8_block",
+                config=BK._cfg_dict(cfg),
+                is_default=True,
+            )
+            fn = functools.partial(GM.fp8_block_gemv_mosaic, **kw)
+            rid = f"fp8_block:{name}:{m}:{_cfg_id(cfg)}"
+            _steady_variant(ctx, skip, rid, rec, fn, sets, want, nb, n_launch)
+            if m <= G.MAX_ROWS:
+                rec = _rec("fp8_block_gemv_triton", name, m, n, k, fmt="fp8_block")
+                fn = functools.partial(G.fp8_block_gemv, interpret=interp)
+                tsets = [(x, *sets_w[i % len(sets_w)]) for i, x in enumerate(xs)]
+                rid = f"fp8_block_triton:{name}:{m}"
+                _steady_variant(ctx, skip, rid, rec, fn, tsets, want, nb, n_launch)
+            del want
+            rsets = [(x, *row_w[i % len(row_w)]) for i, x in enumerate(xs)]
+            rwant = G.fp8_row_gemv_reference(*rsets[0])
+            rcfg = GM.default_config(m, n, k, fmt="fp8_row")
+            rec = _rec(
+                "fp8_row_gemv_mosaic", name, m, n, k, fmt="fp8_row", config=BK._cfg_dict(rcfg)
+            )
+            fn = functools.partial(GM.fp8_row_gemv_mosaic, interpret=interp)
+            rid = f"fp8_row_mosaic:{name}:{m}"
+            _steady_variant(ctx, skip, rid, rec, fn, rsets, rwant, row_nb, n_launch)
+            del rwant
+            rec = _rec("xla_bf16_dot", name, m, n, k, fmt="bf16")
+            bsets = [(x, *bf16[i % len(bf16)]) for i, x in enumerate(xs)]
+            rid = f"xla_bf16:{name}:{m}"
+            _steady_variant(ctx, skip, rid, rec, _xla_bf16, bsets, None, n * k * 2, n_launch)
+            if m > max(IDENTITY_ROWS):
+                public = GM.fp8_block_gemv_mosaic
+                w = prepped[0]
+                _row_identity(
+                    ctx, skip, "fp8_block", name, n, k, xs[0], w, "checkpoint", public, kw
+                )
+            for em, fields in extra if name == "lm_head" else ():
+                if em == m:
+                    later.append((name, n, k, m, GM.MosaicGemvConfig(**fields), xs, sets_w))
+            del xs, sets
+        del bf16, prepped
+
+    # 3) Other tiles on the LM head, budget permitting (checked on their first launch).
+    for name, n, k, m, cfg, xs, sets_w in later:
+        if ctx.left() < 15:
+            ctx.emit(dict(kernel="_deadline", shape=name, rows=m, extra=True))
+            return
+        nb = weights[name, "fp8_block"][1]
+        want = G.fp8_block_gemv_reference(xs[0], *sets_w[0])
+        rec = _rec(
+            "fp8_block_gemv_mosaic",
+            name,
+            m,
+            n,
+            k,
+            fmt="fp8_block",
+            config=BK._cfg_dict(cfg),
+            is_default=False,
+        )
+        fn = functools.partial(GM.fp8_block_gemv_mosaic, n=n, config=cfg, interpret=interp)
+        sets = [(x, *sets_w[i % len(sets_w)]) for i, x in enumerate(xs)]
+        rid = f"fp8_block:{name}:{m}:{_cfg_id(cfg)}"
+        _steady_variant(ctx, skip, rid, rec, fn, sets, want, nb, _launches(ctx, nb, nb / 4.0e6))
+        del want
+
+
 def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, sweep: bool):
     import jax
 
@@ -826,6 +996,8 @@ def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, s
             child_mosaic_fp8(ctx, skip)
         elif section == "epilogue":
             child_epilogue(ctx, skip)
+        elif section == "mosaic_fp8_block":
+            child_mosaic_fp8_block(ctx, skip)
         else:
             raise ValueError(f"unknown section {section!r}; expected one of {SECTIONS}")
     except Exception:
@@ -840,7 +1012,11 @@ def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, s
 
 
 #: The Triton GEMV that ``ratio_vs_triton`` compares each format with.
-_TRITON_GEMV = {"nvfp4": "nvfp4_gemv_triton", "fp8_row": "fp8_row_gemv_triton"}
+_TRITON_GEMV = {
+    "nvfp4": "nvfp4_gemv_triton",
+    "fp8_row": "fp8_row_gemv_triton",
+    "fp8_block": "fp8_block_gemv_triton",
+}
 
 
 def _derive(records: list[dict]) -> list[dict]:
@@ -854,6 +1030,7 @@ def _derive(records: list[dict]) -> list[dict]:
     tri = {
         (r["format"], *key(r)): r["time_us"] for r in timed if r["kernel"] in _TRITON_GEMV.values()
     }
+    row_mosaic = {key(r): r["time_us"] for r in timed if r["kernel"] == "fp8_row_gemv_mosaic"}
     # The fastest checked M=1 GEMV of each format and shape (any kernel, layout or config).
     m1: dict[tuple, float] = {}
     for r in timed:
@@ -874,6 +1051,10 @@ def _derive(records: list[dict]) -> list[dict]:
         t1 = m1.get((r.get("format"), r["shape"], r["n"], r["k"]))
         r["m1_gemv_time_us"] = t1
         r["ratio_vs_m1"] = None if t1 is None else r["time_us"] / t1
+        if r.get("format") == "fp8_block":
+            t = row_mosaic.get(key(r))
+            r["fp8_row_mosaic_time_us"] = t
+            r["ratio_vs_fp8_row_mosaic"] = None if t is None else r["time_us"] / t
     return records
 
 

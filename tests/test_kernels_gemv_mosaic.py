@@ -1,6 +1,6 @@
-"""Mosaic GPU NVFP4 and FP8 per-row GEMVs (1 to 128 rows): interpret mode against the references
-and a float64 oracle, the register-level decode plans simulated thread by thread, and the CUDA
-lowering (with its shared-memory count) built on the CPU."""
+"""Mosaic GPU NVFP4, FP8 per-row and FP8 block-128 GEMVs (1 to 128 rows): interpret mode against
+the references and a float64 oracle, the register-level decode plans simulated thread by thread,
+and the CUDA lowering (with its shared-memory count) built on the CPU."""
 
 from __future__ import annotations
 
@@ -137,6 +137,12 @@ def test_default_configs_keep_the_measured_small_m_tiles():
         for fmt in ("nvfp4", "fp8_row"):
             cfg = GM.default_config(m, 248320, 5120, fmt=fmt)
             assert cfg.block_n * C.round_up(m, 8) // 128 <= 128  # accumulator registers
+    # FP8 block-128: 64-row CTAs (two accumulators), 128 where measured faster (M=96).
+    for m in (1, 8, 9, 32, 33, 64, 65, 96, 97, 128):
+        cfg = GM.default_config(m, 248320, 5120, fmt="fp8_block")
+        want = _CFG(block_n=128 if 64 < m <= 96 else 64, block_k=256, stages=2)
+        assert cfg == want, m
+        assert 2 * cfg.block_n * C.round_up(m, 8) // 128 <= 192  # both accumulators
     with pytest.raises(ValueError, match="fp4"):
         GM.default_config(1, 8, 256, fmt="fp4")
 
@@ -201,6 +207,127 @@ def test_fp8_rejects_unprepared_and_bad_shapes():
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 block-128 (DeepSeek-V3 ``weight_scale_inv``): one scale per 128 x 128 block.
+# ---------------------------------------------------------------------------------------------
+
+
+def _spread_block_scales(rng, n, k, lo=-24, hi=24):
+    """f32[ceil(n/128), ceil(k/128)] block scales over many binades (and random mantissas), so a
+    scale applied to the wrong block or row shows as a large error."""
+    shape = (C.cdiv(n, 128), C.cdiv(k, 128))
+    s = rng.uniform(1.0, 2.0, shape) * 2.0 ** rng.integers(lo, hi, shape)
+    return jnp.asarray(s, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg"),
+    [
+        # Odd N (1021 -> 1024: last scale row covers 125 rows) and K (200 -> 256: the last
+        # scale block is 72 columns wide, zero-padded to 128).
+        (1, 1021, 200, _CFG(block_n=64, block_k=256, stages=2)),
+        # K = 640: 2.5 steps of 256, the last step half past K (its block reads the last scale
+        # column, times zeros); N = 200: CTA 3 starts at row 192, in scale row 1.
+        (5, 200, 640, _CFG(block_n=64, block_k=256, stages=3)),
+        # 128-row CTAs, one scale row each; K = 384 (three scale blocks, 1.5 steps).
+        (8, 264, 384, _CFG(block_n=128, block_k=256, stages=2)),
+        # Four scale blocks per 512-wide step; odd K (900 -> 1024 in two steps).
+        (13, 131, 900, _CFG(block_n=64, block_k=512, stages=2)),
+        (40, 72, 384, None),
+        (96, 136, 256, None),
+        (128, 64, 384, None),
+    ],
+)
+def test_fp8_block_matches_reference(m, n, k, cfg):
+    rng = np.random.default_rng(m * 1000 + n)
+    q, _ = leaves("fp8_block", n, k, rng)
+    s = _spread_block_scales(rng, n, k)
+    x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-20, 20, (m, 1)))
+    x = x.astype(jnp.bfloat16)
+    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
+    out = GM.fp8_block_gemv_mosaic(x, qp, sp, n=n, config=cfg, interpret=True)
+    _assert_matches("fp8_block", x, (q, s), out)
+
+
+def test_fp8_block_scale_applies_per_block_in_f32():
+    """Row b of x is one on K block b only, so out[b, j] is block (j // 128, b) alone: its
+    partial sum (448s and E4M3's smallest subnormal 2**-9) times its scale, 2**-20 .. 2**25.
+    Scaling in F32 keeps both; a scale folded into the float16 operand would flush the
+    subnormals under 2**-20 and overflow at 2**25."""
+    n, k = 200, 384
+    q = np.zeros((n, k), np.float32)
+    q[:, ::3] = 448.0
+    q[:, 1::3] = 2.0**-9
+    q = jnp.asarray(q, jnp.float8_e4m3fn)
+    s = jnp.asarray([[2.0**-20, 1.0, 2.0**25], [2.0**-10, 3.0, 2.0**-24]], jnp.float32)
+    x = np.kron(np.eye(3), np.ones((1, 128)))
+    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
+    out = GM.fp8_block_gemv_mosaic(jnp.asarray(x, jnp.bfloat16), qp, sp, n=n, interpret=True)
+    oracle = x @ numpy_dequant("fp8_block", q, s).T
+    np.testing.assert_allclose(np.asarray(out, np.float64), oracle, rtol=1e-7)
+
+
+def test_fp8_block_row_alone_equals_row_of_96():
+    """A row of a 96-row call is bit for bit that row computed alone. Small integers and
+    power-of-two scales keep every product and sum exact, so the interpreter's summation order
+    (an XLA:CPU dot over the MMA's N) cannot differ; a row mix-up still shows."""
+    rng = np.random.default_rng(3)
+    m, n, k = 96, 136, 256
+    q = jnp.asarray(rng.integers(-16, 17, (n, k)), jnp.float8_e4m3fn)
+    s = jnp.asarray(2.0 ** rng.integers(-3, 4, (2, 2)), jnp.float32)
+    x = jnp.asarray(rng.integers(-8, 9, (m, k)) * 2.0 ** rng.integers(-6, 6, (m, 1)))
+    x = x.astype(jnp.bfloat16)
+    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
+    full = np.asarray(GM.fp8_block_gemv_mosaic(x, qp, sp, interpret=True))
+    np.testing.assert_array_equal(
+        full, np.asarray(x, np.float64) @ numpy_dequant("fp8_block", q, s).T
+    )
+    for r in (0, 37, 95):
+        one = GM.fp8_block_gemv_mosaic(x[r : r + 1], qp, sp, interpret=True)
+        np.testing.assert_array_equal(np.asarray(one)[0], full[r])
+
+
+def test_fp8_block_rejects_unprepared_and_bad_shapes():
+    rng = np.random.default_rng(0)
+    q, s = leaves("fp8_block", 100, 200, rng)
+    x = jnp.zeros((1, 200), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"N=100, K=200.*prepare_fp8_block_mosaic"):
+        GM.fp8_block_gemv_mosaic(x, q, s, interpret=True)
+    with pytest.raises(ValueError, match=r"scale_inv must be \[1, 2\]"):
+        GM.prepare_fp8_block_mosaic(q, s[:, :1])
+    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
+    assert qp.shape == (104, 256) and sp.shape == (1, 2) and qp.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(qp[100:]).view(np.uint8), 0)
+    with pytest.raises(ValueError, match="1 <= M <= 128"):
+        GM.fp8_block_gemv_mosaic(jnp.zeros((129, 200), jnp.bfloat16), qp, sp, interpret=True)
+    with pytest.raises(ValueError, match="K=100"):
+        GM.fp8_block_gemv_mosaic(jnp.zeros((1, 100), jnp.bfloat16), qp, sp, interpret=True)
+    with pytest.raises(ValueError, match=r"scale_inv must be \[1, 2\]"):
+        GM.fp8_block_gemv_mosaic(x, qp, sp[:, :1], interpret=True)
+    with pytest.raises(ValueError, match="n=96"):
+        GM.fp8_block_gemv_mosaic(x, qp, sp, n=96, interpret=True)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        GM.fp8_block_gemv_mosaic(x, qp.astype(jnp.bfloat16), sp, interpret=True)
+    with pytest.raises(ValueError, match="block_n <= 128, got 256"):
+        cfg = _CFG(block_n=256, block_k=256)
+        GM.fp8_block_gemv_mosaic(x, qp, sp, config=cfg, interpret=True)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg"),
+    [
+        (1, 248320, 5120, None),
+        (96, 248320, 5120, None),
+        (8, 12288, 5120, None),
+        (1, 5120, 17408, None),
+        # 128-row CTAs, 512-wide steps (four scale blocks per step).
+        (32, 12288, 5120, _CFG(block_n=128, block_k=512, stages=2)),
+    ],
+)
+def test_fp8_block_lowers_for_cuda_on_cpu(m, n, k, cfg):
+    assert "mosaic_gpu" in _lower_cuda(m, n, k, cfg, fmt="fp8_block")
+
+
+# ---------------------------------------------------------------------------------------------
 # The fused epilogue: final [M, N] orientation, factors applied in the kernel.
 # ---------------------------------------------------------------------------------------------
 
@@ -210,6 +337,8 @@ def _weights_for(fmt, n, k, rng, layout="checkpoint", cfg=None):
     lv = leaves(fmt, n, k, rng)
     if fmt == "fp8_row":
         return lv, GM.prepare_fp8_row_mosaic(*lv)
+    if fmt == "fp8_block":
+        return lv, GM.prepare_fp8_block_mosaic(*lv)
     tile = dict(block_n=cfg.block_n, block_k=cfg.block_k) if layout == "tiled" else {}
     return lv, (*GM.prepare_nvfp4_mosaic(lv[0], lv[1], layout=layout, **tile), lv[2])
 
@@ -217,6 +346,8 @@ def _weights_for(fmt, n, k, rng, layout="checkpoint", cfg=None):
 def _call(fmt, x, w, *, n, cfg, layout="checkpoint"):
     if fmt == "fp8_row":
         return GM.fp8_row_gemv_mosaic(x, *w, n=n, config=cfg, interpret=True)
+    if fmt == "fp8_block":
+        return GM.fp8_block_gemv_mosaic(x, *w, n=n, config=cfg, interpret=True)
     return GM.nvfp4_gemv_mosaic(x, *w, n=n, layout=layout, config=cfg, interpret=True)
 
 
@@ -271,7 +402,7 @@ def test_fused_epilogue_is_bit_identical_to_the_unfused_path(fmt, m, n, k, cfg, 
     _assert_matches(fmt, x, lv, out)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row", "fp8_block"])
 def test_output_orientation_with_one_hot_rows(fmt):
     """Row r of x picks column c_r of the weight: out[r, j] is exactly W[j, c_r] (power-of-two
     scales keep every product exact), so a transposed or shifted store cannot pass. Each row's
@@ -283,6 +414,9 @@ def test_output_orientation_with_one_hot_rows(fmt):
     if fmt == "fp8_row":
         s = jnp.asarray(2.0 ** rng.integers(-8, 8, w[1].shape), jnp.float32)
         w, lv = (w[0], s), (lv[0], s[:n])
+    elif fmt == "fp8_block":  # [2, 2] block scales: each (row, column) block its own binade
+        s = jnp.asarray(2.0 ** rng.permutation(np.arange(-8, 8, 4)).reshape(2, 2), jnp.float32)
+        w, lv = (w[0], s), (lv[0], s)
     else:
         w, lv = (*w[:2], jnp.float32(0.25)), (*lv[:2], jnp.float32(0.25))
     cols = np.array([0, 1, 17, 100, 255])
@@ -293,7 +427,7 @@ def test_output_orientation_with_one_hot_rows(fmt):
     np.testing.assert_array_equal(out, want.astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row", "fp8_block"])
 def test_a_row_depends_only_on_its_own_values(fmt):
     """At M=96 a row's bits do not change when every other row does (to other magnitudes).
 
@@ -424,7 +558,7 @@ def _random_fp8_tile(rng, rows, b):
 
 def _replay_pairs(fmt, layout, w, scale_byte):
     """numpy twin of the GPU decode of one 32-bit code word: its float16 pairs, pair order."""
-    if fmt == "fp8_row":
+    if fmt in ("fp8_row", "fp8_block"):
         b = np.array([w], "<u4").view(np.uint8)
         return [
             b[2 * u : 2 * u + 2].view(ml_dtypes.float8_e4m3fn).astype(np.float16) for u in (0, 1)
@@ -441,6 +575,7 @@ def _replay_pairs(fmt, layout, w, scale_byte):
         # The FP8 kernel loads its codes one 128-byte swizzle row (two chunks) at a time.
         ("fp8_row", 64, 128, "checkpoint"),
         ("fp8_row", 128, 128, "checkpoint"),
+        ("fp8_block", 64, 128, "checkpoint"),
     ],
 )
 def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes, layout):
@@ -531,7 +666,17 @@ def test_rejects_unprepared_and_bad_shapes():
 
 def _lower_cuda(m, n, k, cfg, layout="checkpoint", fmt="nvfp4"):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    if fmt == "fp8_row":
+    if fmt == "fp8_block":
+        args = (
+            x,
+            jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((-(-n // 128), k // 128), jnp.float32),
+        )
+
+        def f(*a):
+            return GM.fp8_block_gemv_mosaic(*a, config=cfg)
+
+    elif fmt == "fp8_row":
         args = (
             x,
             jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
@@ -622,6 +767,9 @@ def test_fp8_lowers_for_cuda_on_cpu(m, n, k):
         ("nvfp4", 128, 164),  # 128 x 256: 2 x (16 + 2 + 64)
         ("fp8_row", 1, 40),  # 2 x (16 KB codes + 4 KB x): 5 CTAs per SM
         ("fp8_row", 96, 160),  # 128 x 256: 2 x (32 + 48)
+        ("fp8_block", 1, 40),  # 64 x 256 at every M: 2 x (16 + 4)
+        ("fp8_block", 96, 160),  # 128 x 256: 2 x (32 + 48)
+        ("fp8_block", 128, 160),  # 2 x (16 + 64)
     ],
 )
 def test_default_configs_fit_shared_memory(fmt, m, want_kb):

@@ -29,13 +29,13 @@ def test_every_format_has_many_rows_kernels_registered():
             assert (fmt, regime) in table
 
 
-# [200, 256] takes the Mosaic GEMV for NVFP4 and FP8 (up to 128 rows a call, so 140 rows are
-# two chunks); [203, 384] does not suit its TMA copies, so those two formats fall back to the
-# Triton GEMV (NVFP4 in 32-row chunks) and, for FP8 from 9 rows, the XLA dot.
+# [200, 256] takes the Mosaic GEMV for the quantised formats (up to 128 rows a call, so 140
+# rows are two chunks); [203, 384] does not suit its TMA copies, so they fall back to the
+# Triton GEMV (in 32-row chunks) and, for FP8 per-row from 9 rows, the XLA dot.
 @pytest.mark.parametrize(
     "fmt, rows, shape",
     [(f, r, (200, 256)) for f in FORMATS for r in (1, 3, 40, 140)]
-    + [(f, r, (203, 384)) for f in ("fp8", "nvfp4") for r in (5, 40)],
+    + [(f, r, (203, 384)) for f in ("fp8", "fp8_block", "nvfp4") for r in (5, 40)],
 )
 def test_linear_pallas_matches_xla(fmt, rows, shape):
     kw, kx = jax.random.split(jax.random.key(hash(fmt) % 1000 + rows))
