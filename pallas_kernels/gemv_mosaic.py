@@ -929,6 +929,24 @@ def _check_rows(x: jax.Array) -> None:
         raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
 
 
+def _check_fp8(x: jax.Array, q: jax.Array, k_align: int, prepare: str) -> tuple[int, int, int]:
+    """Checks x [M, K] against FP8 codes [Nw, Kw] (Nw % 8, Kw % k_align, K <= Kw < K + k_align).
+    Returns (M, Nw, Kw)."""
+    _check_rows(x)
+    m, k = x.shape
+    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"q must be float8_e4m3fn[N, K], got {q.dtype}{list(q.shape)}")
+    nw, kw = q.shape
+    if kw % k_align or nw % N_ALIGN:
+        raise ValueError(
+            f"q must be [N, K] with N % {N_ALIGN} == 0 and K % {k_align} == 0, got "
+            f"N={nw}, K={kw}; pad the weight once with {prepare}"
+        )
+    if not k <= kw < k + k_align:
+        raise ValueError(f"x K={k} must match the weight's K={kw}")
+    return m, nw, kw
+
+
 def _check_n(n: int | None, nw: int, n_align: int) -> int:
     n = nw if n is None else n
     if not nw - n_align < n <= nw:
@@ -980,18 +998,7 @@ def fp8_row_gemv_mosaic(
     Returns:
       f32[M, n].
     """
-    _check_rows(x)
-    m, k = x.shape
-    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"q must be float8_e4m3fn[N, K], got {q.dtype}{list(q.shape)}")
-    nw, kw = q.shape
-    if kw % FP8_K_ALIGN or nw % N_ALIGN:
-        raise ValueError(
-            f"q must be [N, K] with N % {N_ALIGN} == 0 and K % {FP8_K_ALIGN} == 0, got "
-            f"N={nw}, K={kw}; pad the weight once with prepare_fp8_row_mosaic"
-        )
-    if not k <= kw < k + FP8_K_ALIGN:
-        raise ValueError(f"x K={k} must match the weight's K={kw}")
+    m, nw, kw = _check_fp8(x, q, FP8_K_ALIGN, "prepare_fp8_row_mosaic")
     if scale.shape != (nw,):
         raise ValueError(f"scale must be [{nw}], got {scale.shape}")
     n = _check_n(n, nw, N_ALIGN)
@@ -1030,18 +1037,7 @@ def fp8_block_gemv_mosaic(
     Returns:
       f32[M, n].
     """
-    _check_rows(x)
-    m, k = x.shape
-    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"q must be float8_e4m3fn[N, K], got {q.dtype}{list(q.shape)}")
-    nw, kw = q.shape
-    if kw % FP8_BLOCK or nw % N_ALIGN:
-        raise ValueError(
-            f"q must be [N, K] with N % {N_ALIGN} == 0 and K % {FP8_BLOCK} == 0, got "
-            f"N={nw}, K={kw}; pad the weight once with prepare_fp8_block_mosaic"
-        )
-    if not k <= kw < k + FP8_BLOCK:
-        raise ValueError(f"x K={k} must match the weight's K={kw}")
+    m, nw, kw = _check_fp8(x, q, FP8_BLOCK, "prepare_fp8_block_mosaic")
     want = (C.cdiv(nw, FP8_BLOCK), kw // FP8_BLOCK)
     if scale_inv.shape != want:
         raise ValueError(f"scale_inv must be {list(want)}, got {list(scale_inv.shape)}")
