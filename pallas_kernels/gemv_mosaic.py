@@ -175,7 +175,8 @@ class MosaicGemvConfig:
     Attributes:
       block_n: weight rows per CTA (one warpgroup; a multiple of 64, at most 256). The
         accumulator takes ``block_n * m_pad / 128`` F32 registers per thread.
-      block_k: K elements per pipeline step (a multiple of 256, at most 2048).
+      block_k: K elements per pipeline step (a multiple of 128, of 256 for NVFP4; at most
+        2048).
       stages: pipeline depth: steps whose TMA copies are in flight per CTA (at least 2; one
         stage would not overlap the copies with the decode). On H200 more CTAs per SM beat
         deeper pipelines: at M=1, 64 x 512 x 2 (52 KB of shared memory, 4 CTAs per SM) was
@@ -189,9 +190,10 @@ class MosaicGemvConfig:
     def __post_init__(self):
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
-        if self.block_k % K_ALIGN or not K_ALIGN <= self.block_k <= 2048:
+        if self.block_k % FP8_K_ALIGN or not FP8_K_ALIGN <= self.block_k <= 2048:
             raise ValueError(
-                f"block_k must be a multiple of {K_ALIGN} in [{K_ALIGN}, 2048], got {self.block_k}"
+                f"block_k must be a multiple of {FP8_K_ALIGN} in [{FP8_K_ALIGN}, 2048] (of "
+                f"{K_ALIGN} for NVFP4), got {self.block_k}"
             )
         if self.stages < 2:
             raise ValueError(f"stages must be >= 2, got {self.stages}")
@@ -206,20 +208,26 @@ def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvC
       same 16 KB of codes per step as NVFP4's 64x512, 40 KB, 5 per SM.
     * 8 < m_pad <= 32: 64x256 (NVFP4 M=16: 282 us against 302 with 128-row CTAs; FP8 M=32:
       403 against 422; NVFP4 M=32 tied).
-    * m_pad > 32: 128-row CTAs, 256-wide K steps. Each CTA streams all of x through shared
+    * NVFP4, m_pad > 32: 128-row CTAs, 256-wide K steps. Each CTA streams all of x through shared
       memory, so at these M the activation traffic (from L2) outgrows the weight's; 128 rows per
       CTA halve it against 64 (NVFP4 M=64: 420 against 473 us, M=128: 693 against 761; FP8
       M=96: 714 against 817). At m_pad > 48 only one CTA fits an SM with either width, so the
       wider CTA costs no occupancy, only registers (an accumulator of m_pad F32 per thread).
-    * FP8 block-128 (``fmt="fp8_block"``): 64x256, but 128x256 at 64 < m_pad <= 96. Its CTA
-      holds two accumulators (the main one and each K block's partial sum) of ``block_n *
-      m_pad / 128`` F32 registers per thread. Measured on the H200 LM head (steady state,
+    * FP8 block-128 (``fmt="fp8_block"``) to 32 rows: 64x256. Its CTA holds two accumulators
+      (the main one and each K block's partial sum) of ``block_n * m_pad / 128`` F32 registers
+      per thread. Measured on the H200 LM head (steady state,
       ``benchmarks/results/kernels_mosaic_fp8_block_h200.json``): M=1 64x256 279 us, 64x512
-      279; M=8 291 against 290 with 128 rows; M=64 384 against 413; M=96 676 against 575, so
-      128 rows there in spite of 192 accumulator registers. M=128 (256 with 128 rows) keeps 64.
+      279; M=8 291 against 290 with 128 rows.
+    * Both FP8 formats above 32 rows: 128-wide K steps, whose smaller stages let two or three
+      CTAs share an SM, so one CTA's decode overlaps another's MMAs (with 256-wide steps one CTA
+      fits and its tensor cores wait while it decodes). Per-row 128x128, block-128 64x128 (two
+      accumulators). Steady state on the H200 LM head
+      (``benchmarks/results/kernels_mosaic_fp8_tiles_h200.json``, ``--sections fp8_tiles``),
+      against the best 256-wide tile: per-row M=64 352 us (391), M=96 430 (514), M=128 563
+      (577); block-128 M=64 385 (387), M=96 514 (610), M=128 617 (753).
 
-    Timed on the H200 LM head [248320, 5120] before the fused epilogue
-    (``benchmarks/results/kernels_mosaic_rows_fp8_h200.json``, from
+    Timed on the H200 LM head [248320, 5120]; the rows up to 32 and NVFP4 before the fused
+    epilogue (``benchmarks/results/kernels_mosaic_rows_fp8_h200.json``, from
     ``scripts/bench_mosaic_gemv.py --sections mosaic_rows,mosaic_fp8``).
     """
     del n
@@ -228,11 +236,13 @@ def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvC
     m_pad = C.round_up(m, 8)
     if m_pad <= 8:
         block_n, block_k = 64, (512 if fmt == "nvfp4" else 256)
+    elif m_pad <= 32:
+        block_n, block_k = 64, 256
+    elif fmt == "nvfp4":
+        block_n, block_k = 128, 256
     else:
-        block_n, block_k = (64 if m_pad <= 32 else 128), 256
-        if fmt == "fp8_block":
-            block_n = 128 if 64 < m_pad <= 96 else 64
-    block_k = block_k if k >= block_k else K_ALIGN
+        block_n, block_k = (128 if fmt == "fp8_row" else 64), FP8_K_ALIGN
+    block_k = block_k if k >= block_k else (K_ALIGN if fmt == "nvfp4" else FP8_K_ALIGN)
     return MosaicGemvConfig(block_n=block_n, block_k=block_k, stages=2)
 
 
@@ -917,6 +927,8 @@ def nvfp4_gemv_mosaic(
         raise ValueError(f"scale must be {list(want_scale)}, got {scale.shape}")
     n = _check_n(n, nw, config.block_n if layout == "tiled" else N_ALIGN)
     cfg = config or default_config(m, nw, kw)
+    if cfg.block_k % K_ALIGN:
+        raise ValueError(f"NVFP4 needs block_k a multiple of {K_ALIGN}, got {cfg.block_k}")
     x16, xinv = _prepare_x(x, kw, "nvfp4")
     gscale = jnp.asarray(scale_2, jnp.float32) * C.E2M1_F16_UNBIAS
     kernel = _build_kernel(m, nw, kw, cfg, interpret, layout, fmt="nvfp4")

@@ -48,6 +48,9 @@ Sections (``--sections``, default ``baselines,mosaic``, the measured M=1..8 run)
   for bit); then, budget permitting, a few other tiles (``FP8_BLOCK_EXTRA``). Times are
   steady-state (``bench_kernels.time_steady``: calls queued back to back, ``time_us``; with a
   sync after each call, ``synced_us``).
+* ``fp8_tiles``: both FP8 kernels at M = 64, 96, 128 on the LM head over ``FP8_TILES`` (128-wide
+  K steps fit two or three CTAs per SM where 256-wide ones fit one), each checked on its first
+  launch, and XLA's BF16 GEMV at the same M; steady-state.
 * ``epilogue``: on the LM head, NVFP4 M=1 (checkpoint and tiled), FP8 M=1, NVFP4 and FP8 M=96
   (default configs), the whole call (``variant="fused"``) against the earlier path
   (``"legacy"``: the kernel's raw accumulator written transposed, f32[N, m_pad], scaled and
@@ -113,7 +116,19 @@ FP8_BLOCK_EXTRA = (
     (64, dict(block_n=128, block_k=256, stages=2)),
     (96, dict(block_n=64, block_k=256, stages=2)),
 )
-SECTIONS = ("baselines", "mosaic", "mosaic_rows", "mosaic_fp8", "epilogue", "mosaic_fp8_block")
+SECTIONS = (
+    "baselines",
+    "mosaic",
+    "mosaic_rows",
+    "mosaic_fp8",
+    "epilogue",
+    "mosaic_fp8_block",
+    "fp8_tiles",
+)
+#: fp8_tiles: rows where one CTA per SM idles its tensor cores while it decodes, and the tiles
+#: tried there (128-wide K steps leave room for two or three CTAs per SM).
+FP8_TILE_ROWS = (96, 64, 128)  # most important first: a short budget cuts the last
+FP8_TILES = ((128, 256, 2), (64, 256, 2), (128, 128, 2), (64, 128, 2), (64, 128, 3), (128, 128, 3))
 #: epilogue: (format, rows, NVFP4 layouts) on the LM head, fused vs the earlier kernel, most
 #: important first (a short budget cuts the last).
 EPILOGUE_PLAN = (
@@ -976,6 +991,40 @@ def child_mosaic_fp8_block(ctx, skip: set[str]):
         del want
 
 
+def child_fp8_tiles(ctx, skip: set[str]):
+    """Both FP8 Mosaic GEMVs at 64..128 rows on the LM head over :data:`FP8_TILES` (each
+    checked on its first launch), and XLA's BF16 dot at the same rows; steady-state."""
+    from pallas_kernels import gemv as G
+    from pallas_kernels import gemv_mosaic as GM
+
+    name, n, k = LM_HEAD if not ctx.smoke else ("lm_head", 136, 512)
+    rows = FP8_TILE_ROWS if not ctx.smoke else (13,)
+    tiles = FP8_TILES if not ctx.smoke else FP8_TILES[2:4]
+    kernels = {
+        "fp8_row": (GM.fp8_row_gemv_mosaic, G.fp8_row_gemv_reference),
+        "fp8_block": (GM.fp8_block_gemv_mosaic, G.fp8_block_gemv_reference),
+    }
+    bf16 = [BK._weights(ctx, "bf16", n, k) for _ in range(MIN_COPIES)]
+    for m in rows:
+        xs = _xs(ctx, m, k, 2 if ctx.smoke else 8)
+        rec = _rec("xla_bf16_dot", name, m, n, k, fmt="bf16")
+        bsets = [(x, *bf16[i % len(bf16)]) for i, x in enumerate(xs)]
+        _steady_variant(ctx, skip, f"xla:{m}", rec, _xla_bf16, bsets, None, n * k * 2, len(xs))
+        for fmt, (kernel, reference) in kernels.items():
+            weights, nb = _weight_sets(ctx, n, k, fmt)
+            sets = [(x, *weights[i % len(weights)]) for i, x in enumerate(xs)]
+            want = reference(*sets[0])
+            default = GM.default_config(m, n, k, fmt=fmt)
+            for bn, bk, st in tiles:
+                cfg = GM.MosaicGemvConfig(block_n=bn, block_k=bk, stages=st)
+                rec = _rec(f"{fmt}_gemv_mosaic", name, m, n, k, fmt=fmt)
+                rec.update(config=BK._cfg_dict(cfg), is_default=cfg == default)
+                fn = functools.partial(kernel, config=cfg, interpret=ctx.interpret)
+                rid = f"{fmt}:{m}:{_cfg_id(cfg)}"
+                _steady_variant(ctx, skip, rid, rec, fn, sets, want, nb, len(xs))
+            del weights, sets, want
+
+
 def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, sweep: bool):
     import jax
 
@@ -998,6 +1047,8 @@ def run_child(section, smoke, deadline, out_path, skip: set[str], quick: bool, s
             child_epilogue(ctx, skip)
         elif section == "mosaic_fp8_block":
             child_mosaic_fp8_block(ctx, skip)
+        elif section == "fp8_tiles":
+            child_fp8_tiles(ctx, skip)
         else:
             raise ValueError(f"unknown section {section!r}; expected one of {SECTIONS}")
     except Exception:

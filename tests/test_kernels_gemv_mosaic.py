@@ -4,6 +4,7 @@ and the CUDA lowering (with its shared-memory count) built on the CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -137,12 +138,15 @@ def test_default_configs_keep_the_measured_small_m_tiles():
         for fmt in ("nvfp4", "fp8_row"):
             cfg = GM.default_config(m, 248320, 5120, fmt=fmt)
             assert cfg.block_n * C.round_up(m, 8) // 128 <= 128  # accumulator registers
-    # FP8 block-128: 64-row CTAs (two accumulators), 128 where measured faster (M=96).
+    # FP8 block-128: 64-row CTAs (two accumulators); both FP8 formats take 128-wide K steps
+    # above 32 rows (two or three CTAs per SM), per-row with 128-row CTAs.
     for m in (1, 8, 9, 32, 33, 64, 65, 96, 97, 128):
         cfg = GM.default_config(m, 248320, 5120, fmt="fp8_block")
-        want = _CFG(block_n=128 if 64 < m <= 96 else 64, block_k=256, stages=2)
-        assert cfg == want, m
-        assert 2 * cfg.block_n * C.round_up(m, 8) // 128 <= 192  # both accumulators
+        assert cfg == _CFG(block_n=64, block_k=256 if m <= 32 else 128, stages=2), m
+        assert 2 * cfg.block_n * C.round_up(m, 8) // 128 <= 128  # both accumulators
+        row = GM.default_config(m, 248320, 5120, fmt="fp8_row")
+        want = _CFG(block_n=64, block_k=256) if m <= 32 else _CFG(block_n=128, block_k=128)
+        assert row == dataclasses.replace(want, stages=2), m
     with pytest.raises(ValueError, match="fp4"):
         GM.default_config(1, 8, 256, fmt="fp4")
 
@@ -630,7 +634,7 @@ def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes, layout)
     [
         (dict(block_n=96), "96"),
         (dict(block_n=512), "512"),
-        (dict(block_k=384), "384"),
+        (dict(block_k=200), "200"),
         (dict(block_k=4096), "4096"),
         (dict(stages=1), "1"),
     ],
@@ -638,6 +642,14 @@ def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes, layout)
 def test_config_validation_names_the_value(kw, bad):
     with pytest.raises(ValueError, match=rf"{next(iter(kw))} .*{bad}"):
         GM.MosaicGemvConfig(**kw)
+
+
+def test_nvfp4_rejects_the_fp8_only_k_step():
+    cfg = GM.MosaicGemvConfig(block_n=64, block_k=384)  # a multiple of 128: FP8 only
+    x = jnp.zeros((1, 512), jnp.bfloat16)
+    packed, scale = jnp.zeros((64, 256), jnp.uint8), jnp.zeros((64, 32), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="NVFP4 needs block_k a multiple of 256, got 384"):
+        GM.nvfp4_gemv_mosaic(x, packed, scale, jnp.float32(1.0), config=cfg)
 
 
 def test_rejects_unprepared_and_bad_shapes():
@@ -766,10 +778,10 @@ def test_fp8_lowers_for_cuda_on_cpu(m, n, k):
         ("nvfp4", 96, 132),  # 128 x 256: 2 x (16 + 2 + 48)
         ("nvfp4", 128, 164),  # 128 x 256: 2 x (16 + 2 + 64)
         ("fp8_row", 1, 40),  # 2 x (16 KB codes + 4 KB x): 5 CTAs per SM
-        ("fp8_row", 96, 160),  # 128 x 256: 2 x (32 + 48)
-        ("fp8_block", 1, 40),  # 64 x 256 at every M: 2 x (16 + 4)
-        ("fp8_block", 96, 160),  # 128 x 256: 2 x (32 + 48)
-        ("fp8_block", 128, 160),  # 2 x (16 + 64)
+        ("fp8_row", 96, 80),  # 128 x 128: 2 x (16 + 24): 2 CTAs per SM
+        ("fp8_block", 1, 40),  # 64 x 256: 2 x (16 + 4)
+        ("fp8_block", 96, 64),  # 64 x 128: 2 x (8 + 24): 3 CTAs per SM
+        ("fp8_block", 128, 80),  # 64 x 128: 2 x (8 + 32)
     ],
 )
 def test_default_configs_fit_shared_memory(fmt, m, want_kb):
