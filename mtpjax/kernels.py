@@ -91,7 +91,6 @@ def _row_kernel(w: Weight, interpret: bool) -> tuple[Callable[[jax.Array], jax.A
     """The GEMV kernel for ``w`` as ``bf16[M, K] -> f32[M, N]``, and its most rows per call."""
     if _takes_mosaic(w):
         kernel, leaves, _ = _MOSAIC_GEMVS[w.format]
-
         # Tiles: the kernel's default_config, measured per row band on the H200 LM head.
         return lambda xb: kernel(xb, *leaves(w), interpret=interpret), pk.MOSAIC_MAX_ROWS
     kernel, leaves = _GEMVS[w.format]
