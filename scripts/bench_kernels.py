@@ -546,6 +546,35 @@ def time_steady(ctx: Ctx, fn, arg_sets, n_launch: int, reps: int = 3, calls: tup
     return steady / n_launch * 1e6, synced, first
 
 
+def measure_steady(
+    ctx: Ctx,
+    rec: dict,
+    fn,
+    sets,
+    n_launch: int,
+    *,
+    tol: float,
+    want=None,
+    nbytes=None,
+    synced_key: str = "time_us_synced",
+) -> None:
+    """:func:`time_steady` of ``fn`` into ``rec`` (``time_us``, the synced time under
+    ``synced_key``, ``bytes``/``gbps``), its first launch checked against ``want`` (None:
+    unchecked) to relative error ``tol``; errors are recorded, not raised."""
+    try:
+        kw = dict(reps=1, calls=(1, 2)) if ctx.smoke else {}
+        steady, synced, first = time_steady(ctx, fn, sets, n_launch, **kw)
+        rec.update({"time_us": steady, synced_key: synced, "ok": True})
+        if nbytes:
+            rec.update(bytes=nbytes, gbps=nbytes / steady / 1e3)
+        if want is not None:
+            rec["rel_err"] = _rel_err(first, want)
+            rec["ok"] = bool(rec["rel_err"] < tol)
+    except Exception as e:
+        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
+        print(rec["error"], file=sys.stderr)
+
+
 def _argmax_variants(A, m: int, dtype, focus: str) -> list:
     """The default first, then (focus "tune") variants around it: loads per step, warps,
     slices, Triton pipelining, the merge, the position re-read; at 96 rows also the previous

@@ -104,24 +104,11 @@ def _weight_copies(ctx, nbytes: int) -> int:
 
 
 def _emit_timed(ctx, rec: dict, fn, sets, want=None, nbytes: int | None = None):
-    """Check (when ``want``) and time ``fn`` over ``sets`` into ``rec``; errors are recorded.
+    """Check (when ``want``) and time ``fn`` over ``sets`` into ``rec``, then emit it.
 
     ``time_us`` is the steady-state time per launch (calls queued back to back, so the host's
     per-call dispatch and sync drop out); ``time_us_synced`` syncs after every call."""
-    try:
-        calls = (1, 2) if ctx.smoke else (2, 8)
-        steady, synced, first = BK.time_steady(
-            ctx, fn, sets, len(sets), reps=1 if ctx.smoke else 3, calls=calls
-        )
-        rec.update(time_us=steady, time_us_synced=synced, ok=True)
-        if want is not None:
-            rec["rel_err"] = BK._rel_err(first, want)
-            rec["ok"] = bool(rec["rel_err"] < TOL)
-        if nbytes:
-            rec.update(bytes=nbytes, gbps=nbytes / rec["time_us"] / 1e3)
-    except Exception as e:
-        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
-        traceback.print_exc()
+    BK.measure_steady(ctx, rec, fn, sets, len(sets), tol=TOL, want=want, nbytes=nbytes)
     ctx.emit(rec)
 
 

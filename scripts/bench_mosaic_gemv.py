@@ -852,19 +852,9 @@ def _steady_variant(ctx, skip: set[str], rid: str, rec: dict, fn, sets, want, nb
     if rid in skip or ctx.left() < 8:
         return
     ctx.emit(dict(kernel="_start", id=rid))
-    try:
-        kw = dict(reps=1, calls=(1, 2)) if ctx.smoke else {}
-        steady, synced, first = BK.time_steady(ctx, fn, sets, n_launch, **kw)
-        rec.update(time_us=steady, synced_us=synced, bytes=nb, gbps=nb / steady / 1e3)
-        if want is not None:
-            rec["rel_err"] = BK._rel_err(first, want)
-            rec["ok"] = bool(rec["rel_err"] < TOL)
-        else:
-            rec["ok"] = True
-        del first
-    except Exception as e:
-        rec.update(ok=False, error=f"{type(e).__name__}: {str(e)[-1500:]}")
-        print(rec["error"], file=sys.stderr)
+    BK.measure_steady(
+        ctx, rec, fn, sets, n_launch, tol=TOL, want=want, nbytes=nb, synced_key="synced_us"
+    )
     ctx.emit(rec)
 
 
