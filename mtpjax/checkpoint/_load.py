@@ -12,26 +12,30 @@ A leaf shared by several modules (Qwen's ``fc`` and norms) is placed by its firs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from mtpjax.checkpoint.convert import (
+from mtpjax.checkpoint._convert import (
     ARRAY_LEAF,
     FORMAT_VERSION,
     MANIFEST_FILE,
     PARAMS_DIR,
     Manifest,
     TensorRecord,
+    content_hash,
 )
-from mtpjax.checkpoint.formats import weight_class
-from mtpjax.checkpoint.layouts import DrafterCheckpoint, assemble
-from mtpjax.checkpoint.safetensors_io import CheckpointError
+from mtpjax.checkpoint._formats import weight_class
+from mtpjax.checkpoint._layouts import DrafterCheckpoint, assemble
+from mtpjax.checkpoint._safetensors_io import CheckpointError
 from mtpjax.config import DrafterConfig
 from mtpjax.weights import Weight, WeightFormat
 
@@ -47,15 +51,28 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         raise CheckpointError(f"{path}: no {MANIFEST_FILE}; not a converted mtpjax checkpoint")
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise CheckpointError(
-                f"{file}: format_version {version!r}, this mtpjax reads {FORMAT_VERSION}; "
-                "convert the checkpoint again"
-            )
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{file}: corrupt manifest (not valid JSON: {err})") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file}: format_version {version!r}, this mtpjax reads {FORMAT_VERSION}; "
+            "convert the checkpoint again"
+        )
+    where = "the manifest"
+    try:
+        fields = {f.name for f in dataclasses.fields(Manifest)}
+        missing = sorted(fields - set(data))
+        if missing:
+            raise KeyError(missing[0])
+        for i, record in enumerate(data["tensors"]):
+            where = f"tensor record {i} ({record.get('name')!r})"
+            TensorRecord.from_json(record)
+        where = "the manifest"
         return Manifest.from_json(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(f"{file}: corrupt manifest ({type(err).__name__}: {err})") from None
+    except (KeyError, TypeError, AttributeError, ValueError) as err:
+        what = f"lacks {err.args[0]!r}" if isinstance(err, KeyError) else f"is malformed ({err})"
+        raise CheckpointError(f"{file}: {where} {what}") from None
 
 
 def _abstract(record: TensorRecord) -> Any:
@@ -77,6 +94,11 @@ def _build(record: TensorRecord, leaves: Mapping[str, jax.Array]) -> Weight | ja
 
 def _placements(structure: Any, sharding: ShardingSpec) -> dict[int, jax.sharding.Sharding]:
     """``id(ShapeDtypeStruct)`` -> its sharding, each leaf placed by its first path."""
+    if not (sharding is None or isinstance(sharding, jax.sharding.Sharding) or callable(sharding)):
+        raise TypeError(
+            "load_drafter: sharding must be a jax.sharding.Sharding, a callable from a leaf path "
+            f"to a Sharding (or None), or None; got {type(sharding).__name__} {sharding!r}"
+        )
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     placed: dict[int, jax.sharding.Sharding] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(structure)[0]:
@@ -92,12 +114,19 @@ def _placements(structure: Any, sharding: ShardingSpec) -> dict[int, jax.shardin
     return placed
 
 
+_STORE_NAME = re.compile(r'Error reading "([^"/]+)')
+
+
 def _restore(
     directory: Path,
     target: dict[str, dict[str, jax.ShapeDtypeStruct]],
     groups: Mapping[str, str],
 ) -> dict:
-    """Restores every tensor of ``target`` from its group checkpoint under ``directory``."""
+    """Restores every tensor of ``target`` from its group checkpoint under ``directory``.
+
+    A damaged group raises one ``CheckpointError`` naming it and, where TensorStore says, the
+    array it could not read (not TensorStore's multi-line report).
+    """
     import orbax.checkpoint as ocp  # deferred: the import is slow and only loading needs it
 
     by_group: dict[str, list[str]] = {}
@@ -109,8 +138,26 @@ def _restore(
             path = directory / group
             if not path.is_dir():
                 raise CheckpointError(f"{path}: missing; the converted checkpoint is incomplete")
-            restored |= checkpointer.restore(path.resolve(), {n: target[n] for n in names})
+            try:
+                restored |= checkpointer.restore(path.resolve(), {n: target[n] for n in names})
+            except Exception as err:  # TensorStore / orbax raise bare Exception and ValueError
+                found = _STORE_NAME.search(str(err))
+                array = f"array {found[1]!r}" if found else f"one of {len(names)} arrays"
+                first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+                raise CheckpointError(
+                    f"{path}: cannot read {array}: the converted checkpoint is damaged "
+                    f"({type(err).__name__}: {first}); convert it again"
+                ) from None
     return restored
+
+
+def _verify(path: Path, record: TensorRecord, leaves: Mapping[str, jax.Array]) -> None:
+    for leaf, want in record.sha256.items():
+        if content_hash(np.asarray(leaves[leaf])) != want:
+            raise CheckpointError(
+                f"{path / PARAMS_DIR / record.group}: array {record.name}.{leaf} does not match "
+                "the sha256 in its manifest record (the checkpoint is damaged); convert it again"
+            )
 
 
 def load_drafter(
@@ -119,6 +166,7 @@ def load_drafter(
     sharding: ShardingSpec = None,
     allow_unrunnable: bool = False,
     mtp_vocab_size: int | None = None,
+    verify: bool = True,
 ) -> tuple[DrafterConfig, DrafterCheckpoint | dict[str, Weight | jax.Array]]:
     """Restores a checkpoint written by ``convert``.
 
@@ -129,6 +177,8 @@ def load_drafter(
       allow_unrunnable: for a family the drafter does not run yet (DeepSeek-V3, GLM-4.5, MiMo),
         return its converted tensors by name instead of raising.
       mtp_vocab_size: passed to ``DrafterConfig.from_hf_config`` (a reduced draft vocab).
+      verify: check every restored array against the sha256 in the manifest (a host copy and
+        a hash of every byte; ``verify=False`` skips it).
 
     Returns:
       ``(cfg, DrafterCheckpoint)`` for runnable families (``modules[i]`` is MTP module ``i``,
@@ -145,7 +195,13 @@ def load_drafter(
             "allow_unrunnable=True) returns its tensors by name)"
         )
     abstract = {record.name: _abstract(record) for record in manifest.tensors}
-    structure = assemble(abstract, cfg) if cfg.runnable else abstract
+    try:
+        structure = assemble(abstract, cfg) if cfg.runnable else abstract
+    except KeyError as err:
+        raise CheckpointError(
+            f"{path / MANIFEST_FILE}: no record of tensor {err.args[0]!r}, which the "
+            f"{cfg.architecture.value} drafter needs; convert the checkpoint again"
+        ) from None
     placed = _placements(structure, sharding)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
@@ -158,6 +214,9 @@ def load_drafter(
             )
     groups = {r.name: r.group for r in manifest.tensors}
     restored = _restore(path / PARAMS_DIR, target, groups)
+    if verify:
+        for record in manifest.tensors:
+            _verify(path, record, restored[record.name])
     named = {r.name: _build(r, restored[r.name]) for r in manifest.tensors}
     if cfg.runnable:
         return cfg, assemble(named, cfg)
