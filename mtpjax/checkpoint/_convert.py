@@ -147,6 +147,7 @@ class TensorRecord:
 class Manifest:
     """What a converted checkpoint holds; written as ``manifest.json``.
 
+    ``files`` lets the loader name a missing or truncated file before TensorStore meets it.
     ``config`` is the source ``config.json`` (``DrafterConfig.from_hf_config(config)`` rebuilds
     the drafter config); ``quant_config`` is the source ``hf_quant_config.json``, recorded for
     reference only (formats were detected per tensor).
@@ -166,6 +167,7 @@ class Manifest:
     config: Mapping[str, Any]
     quant_config: Mapping[str, Any] | None
     tensors: tuple[TensorRecord, ...]
+    files: Mapping[str, int]  # every file under params/ -> its size in bytes
 
     def tensor(self, name: str) -> TensorRecord:
         for record in self.tensors:
@@ -506,6 +508,14 @@ def _source_order(ckpt: SafetensorsCheckpoint, entries: tuple[Entry, ...]) -> li
     return sorted(entries, key=key)
 
 
+def _file_sizes(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
 class _Progress:
     """A tqdm bar when stderr is a terminal; otherwise an INFO log line (logger
     ``mtpjax.checkpoint``) every ``LOG_EVERY_TENSORS`` tensors or ``LOG_EVERY_S`` seconds."""
@@ -614,6 +624,7 @@ def convert(
                 config=raw,
                 quant_config=quant_config,
                 tensors=tuple(records),
+                files=_file_sizes(staging.path / PARAMS_DIR),
             )
             text = json.dumps(manifest.to_json(), indent=1) + "\n"
             (staging.path / MANIFEST_FILE).write_text(text)

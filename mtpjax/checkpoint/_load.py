@@ -13,6 +13,7 @@ A leaf shared by several modules (Qwen's ``fc`` and norms) is placed by its firs
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -133,6 +134,7 @@ def _restore(
     for name in target:
         by_group.setdefault(groups[name], []).append(name)
     restored: dict = {}
+    damaged = None
     with ocp.StandardCheckpointer() as checkpointer:
         for group, names in by_group.items():
             path = directory / group
@@ -141,14 +143,38 @@ def _restore(
             try:
                 restored |= checkpointer.restore(path.resolve(), {n: target[n] for n in names})
             except Exception as err:  # TensorStore / orbax raise bare Exception and ValueError
-                found = _STORE_NAME.search(str(err))
-                array = f"array {found[1]!r}" if found else f"one of {len(names)} arrays"
-                first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-                raise CheckpointError(
-                    f"{path}: cannot read {array}: the converted checkpoint is damaged "
-                    f"({type(err).__name__}: {first}); convert it again"
-                ) from None
+                damaged = _damaged(path, names, err)
+                break
+    if damaged is not None:
+        gc.collect()  # finalise orbax's abandoned reads now, not noisily at exit
+        raise damaged
     return restored
+
+
+def _check_files(path: Path, files: Mapping[str, int]) -> None:
+    """Every file the conversion wrote is there at its size (TensorStore's own report of a
+    missing or truncated file is many lines, and leaves its abandoned reads behind)."""
+    for name, size in files.items():
+        file = path / PARAMS_DIR / name
+        found = file.stat().st_size if file.is_file() else None
+        if found != size:
+            what = "is missing" if found is None else f"holds {found} bytes, expected {size}"
+            raise CheckpointError(f"{file}: {what}; the converted checkpoint is damaged")
+
+
+def _damaged(path: Path, names: list[str], err: BaseException) -> CheckpointError:
+    """One line for a restore failure: the innermost cause (TensorStore's own reason), with the
+    array it names, instead of orbax's multi-line TensorStore report."""
+    chain = [err]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    found = next((m for e in chain if (m := _STORE_NAME.search(str(e)))), None)
+    array = f"array {found[1]!r}" if found else f"one of its {len(names)} arrays"
+    reason = (str(chain[-1]).strip().splitlines() or [type(chain[-1]).__name__])[0][:300]
+    return CheckpointError(
+        f"{path}: cannot read {array}: the converted checkpoint is damaged ({reason}); "
+        "convert it again"
+    )
 
 
 def _verify(path: Path, record: TensorRecord, leaves: Mapping[str, jax.Array]) -> None:
@@ -213,6 +239,7 @@ def load_drafter(
                 leaf.shape, leaf.dtype, sharding=s
             )
     groups = {r.name: r.group for r in manifest.tensors}
+    _check_files(path, manifest.files)
     restored = _restore(path / PARAMS_DIR, target, groups)
     if verify:
         for record in manifest.tensors:
