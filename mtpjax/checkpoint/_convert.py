@@ -5,24 +5,26 @@
 Only the MTP modules, the embedding, the LM head and the final norm are read, tensor by tensor
 from their byte ranges, and converted tensors are saved group by group, so the process holds
 about one group and the tensor in hand, nothing of the target's body (an 80B checkpoint converts
-on a 24 GiB machine). Each projection's format is detected from its
-own tensors (``formats``); ``precision="keep"`` keeps them bit for bit, other precisions
+on a 24 GiB machine). Each projection's format is detected from its own tensors (``_formats``);
+``precision="keep"`` keeps them bit for bit, other precisions
 requantise per ``mtpjax.weights.projection_format`` (the LM head at ``head_precision``, by
 default the same; the embedding is always BF16).
 
 Output directory:
   manifest.json   format version, the source ``config.json`` (so the loader rebuilds the
                   ``DrafterConfig``), precision, layout, runnable flag and reason, and per tensor
-                  its source name(s), source format, stored format, logical shape and leaves.
+                  its source name(s), source format, stored format, logical shape, leaves and
+                  each leaf's sha256; the size of every file under ``params/``.
   params/NNNN/    orbax checkpoints of ``{name: {leaf: array}}`` (weights: their pytree
                   fields ``w`` / ``q, scale`` / ``q, scale_inv`` / ``packed, scale, scale_2``;
                   arrays and embeddings: ``value``), of about 128 MiB, written while the
                   conversion runs so the process never holds more than one group at a time
                   (orbax copies what it saves); each tensor's record names its group.
 
-The output is written to a temporary directory beside ``out`` and renamed into place, so a failed
-or interrupted conversion leaves no ``out`` behind; an existing ``out`` is refused unless
-``force``, and then replaced only once the new one is complete.
+The output is written to a temporary directory beside ``out`` and renamed into place. A failed or
+interrupted (SIGINT, SIGTERM) conversion removes it and every parent directory it created, so
+nothing is left behind; an existing ``out`` is refused unless ``force``, and then replaced only
+once the new one is complete; an ``out`` that is, holds or lies inside the source is refused.
 """
 
 from __future__ import annotations

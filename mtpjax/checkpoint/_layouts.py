@@ -484,42 +484,20 @@ def _generic_module(
         local = name[len(prefix) :]
         spec = _KNOWN_SHAPES.get(local)
         shape, what = (_dims(spec[0], cfg), spec[1]) if spec else (None, "")
+        base = name.removesuffix(".weight")
         if local == "embed_tokens.weight":
-            entries.append(
-                Entry(
-                    name=name.removesuffix(".weight"),
-                    kind=EntryKind.EMBEDDING,
-                    sources=(name,),
-                    shape=shape,
-                    what=what,
-                )
-            )
-            continue
-        info = ckpt.info(name)
-        if name.endswith(".weight") and len(info.shape) == 2:
-            base = name.removesuffix(".weight")
-            head = local == "shared_head.head.weight"
-            entries.append(
-                Entry(
-                    name=base,
-                    kind=EntryKind.WEIGHT,
-                    sources=(name,),
-                    shape=shape,
-                    what=what,
-                    role=None if head else _generic_role(base),
-                    head=head,
-                )
-            )
+            kind = EntryKind.EMBEDDING
+        elif name.endswith(".weight") and len(ckpt.info(name).shape) == 2:
+            kind = EntryKind.WEIGHT
         else:
-            entries.append(
-                Entry(
-                    name=name.removesuffix(".weight"),
-                    kind=EntryKind.ARRAY,
-                    sources=(name,),
-                    shape=shape,
-                    what=what,
-                )
+            kind = EntryKind.ARRAY
+        head = kind is EntryKind.WEIGHT and local == "shared_head.head.weight"
+        role = _generic_role(base) if kind is EntryKind.WEIGHT and not head else None
+        entries.append(
+            Entry(
+                name=base, kind=kind, sources=(name,), shape=shape, what=what, role=role, head=head
             )
+        )
     for (container, proj), by_index in sorted(experts.items()):
         count = len(by_index)
         if sorted(by_index) != list(range(count)):

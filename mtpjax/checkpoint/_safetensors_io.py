@@ -12,6 +12,9 @@ each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offset
 end of the header) plus an optional ``"__metadata__"``; then the data. BF16 and FP8 tensors are
 viewed through ``ml_dtypes`` (numpy itself has neither).
 
+Headers are held to the format: no duplicate keys, dims and offsets non-negative integers, each
+byte range the size its shape and dtype need, and the ranges tiling the data section exactly (no
+overlap, no gap, nothing past the end). Every float tensor read is checked for inf / NaN.
 Every failure raises ``CheckpointError`` naming the file and, where there is one, the tensor.
 """
 
