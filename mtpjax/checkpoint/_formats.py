@@ -389,10 +389,7 @@ def _requantize_rows(
     bounds = [(r0, min(r0 + step, n)) for r0 in range(0, n, step)]
 
     def quantize_f32(x: np.ndarray) -> Weight:
-        try:
-            return _to_numpy(quantize(jnp.asarray(x), fmt))
-        except ValueError as err:
-            raise CheckpointError(f"{src.name}: cannot store as {fmt.value}: {err}") from None
+        return _quantize_float(x, fmt, src.name)
 
     if len(bounds) == 1:
         return quantize_f32(rows(0, n))

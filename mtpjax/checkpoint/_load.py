@@ -76,18 +76,8 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         raise CheckpointError(f"{file}: {where} {what}") from None
 
 
-def _abstract(record: TensorRecord) -> Any:
-    """The record as a weight of ``ShapeDtypeStruct`` leaves, or one ``ShapeDtypeStruct``."""
-    leaves = {
-        k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-        for k, (dtype, shape) in record.leaves.items()
-    }
-    if record.format is None:
-        return leaves[ARRAY_LEAF]
-    return weight_class(WeightFormat(record.format))(**leaves)
-
-
-def _build(record: TensorRecord, leaves: Mapping[str, jax.Array]) -> Weight | jax.Array:
+def _build(record: TensorRecord, leaves: Mapping[str, Any]) -> Any:
+    """The record's weight (or array) from its leaves: restored arrays, or ShapeDtypeStructs."""
     if record.format is None:
         return leaves[ARRAY_LEAF]
     return weight_class(WeightFormat(record.format))(**leaves)
@@ -220,7 +210,11 @@ def load_drafter(
             f"mtpjax cannot run yet: {cfg.unsupported_reason} (load_drafter(..., "
             "allow_unrunnable=True) returns its tensors by name)"
         )
-    abstract = {record.name: _abstract(record) for record in manifest.tensors}
+    specs = {
+        r.name: {k: jax.ShapeDtypeStruct(shape, jnp.dtype(d)) for k, (d, shape) in r.leaves.items()}
+        for r in manifest.tensors
+    }
+    abstract = {r.name: _build(r, specs[r.name]) for r in manifest.tensors}
     try:
         structure = assemble(abstract, cfg) if cfg.runnable else abstract
     except KeyError as err:
@@ -230,14 +224,13 @@ def load_drafter(
         ) from None
     placed = _placements(structure, sharding)
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target: dict[str, dict[str, jax.ShapeDtypeStruct]] = {}
-    for record in manifest.tensors:
-        node = abstract[record.name]
-        for leaf_name, leaf in _leaves_of(record, node).items():
-            s = placed.get(id(leaf), default)
-            target.setdefault(record.name, {})[leaf_name] = jax.ShapeDtypeStruct(
-                leaf.shape, leaf.dtype, sharding=s
-            )
+    target = {
+        name: {
+            k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed.get(id(a), default))
+            for k, a in leaves.items()
+        }
+        for name, leaves in specs.items()
+    }
     groups = {r.name: r.group for r in manifest.tensors}
     _check_files(path, manifest.files)
     restored = _restore(path / PARAMS_DIR, target, groups)
@@ -248,9 +241,3 @@ def load_drafter(
     if cfg.runnable:
         return cfg, assemble(named, cfg)
     return cfg, named
-
-
-def _leaves_of(record: TensorRecord, node: Any) -> dict[str, jax.ShapeDtypeStruct]:
-    if record.format is None:
-        return {ARRAY_LEAF: node}
-    return {k: getattr(node, k) for k in record.leaves}
