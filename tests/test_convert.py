@@ -22,8 +22,8 @@ from safetensors.numpy import load_file, save_file
 
 from mtpjax import checkpoint
 from mtpjax.checkpoint import CheckpointError, DrafterCheckpoint, convert, load_drafter
-from mtpjax.checkpoint.formats import SourceFormat, convert_weight, detect
-from mtpjax.checkpoint.safetensors_io import SafetensorsCheckpoint, SafetensorsFile
+from mtpjax.checkpoint._formats import SourceFormat, convert_weight, detect
+from mtpjax.checkpoint._safetensors_io import SafetensorsCheckpoint, SafetensorsFile
 from mtpjax.config import DrafterConfig, FfnKind
 from mtpjax.drafter import DrafterParams, drafter_forward
 from mtpjax.head import LMHeadParams
@@ -42,8 +42,10 @@ from mtpjax.weights import (
 
 REPO = Path(__file__).resolve().parents[1]
 # The module, not the function `mtpjax.checkpoint.convert` that the package exports.
-convert_module = importlib.import_module("mtpjax.checkpoint.convert")
+convert_module = importlib.import_module("mtpjax.checkpoint._convert")
 CLI = REPO / "scripts" / "convert_checkpoint.py"
+# A script's own folder comes first on its sys.path: point the child at this checkout's mtpjax.
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,6 +140,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         text=True,
         cwd=REPO,
         timeout=120,
+        env=SUBPROCESS_ENV,
     )
 
 
@@ -697,7 +700,7 @@ def test_existing_out_dir_is_refused_or_replaced_atomically(tmp_path, monkeypatc
 
 
 def test_bad_precision_and_missing_config(tmp_path):
-    with pytest.raises(ValueError, match="keep, nvfp4, fp4, fp8, bf16"):
+    with pytest.raises(ValueError, match="keep, bf16, fp8, fp8_block, nvfp4"):
         convert(tmp_path, tmp_path / "out", precision="int4")
     with pytest.raises(CheckpointError, match=r"config\.json"):
         convert(tmp_path, tmp_path / "out")

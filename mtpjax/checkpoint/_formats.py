@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from mtpjax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, TensorInfo
+from mtpjax.checkpoint._safetensors_io import CheckpointError, SafetensorsCheckpoint, TensorInfo
 from mtpjax.weights import (
     FP8_BLOCK,
     NVFP4_BLOCK,
@@ -44,18 +44,22 @@ from mtpjax.weights import (
     Fp8RowWeight,
     Nvfp4Weight,
     Precision,
+    Projection,
     Weight,
     WeightFormat,
     dequantize,
-    parse_precision,
+    projection_format,
     quantize,
 )
 
 __all__ = [
     "CHUNK_ELEMENTS",
+    "FLOAT_DTYPES",
     "KEEP",
+    "PRECISIONS",
     "SourceFormat",
     "SourceWeight",
+    "check_dtype",
     "companion_names",
     "convert_packed_slices",
     "convert_stacked",
@@ -66,12 +70,13 @@ __all__ = [
     "read_embedding",
     "read_native",
     "stack_weights",
+    "target_format",
     "weight_class",
     "weight_leaves",
 ]
 
 KEEP = "keep"
-_FLOAT_DTYPES = ("BF16", "F16", "F32")
+FLOAT_DTYPES = ("BF16", "F16", "F32")
 _IGNORED_COMPANIONS = ("input_scale",)
 
 
@@ -120,19 +125,38 @@ def weight_leaves(w: Weight) -> dict[str, np.ndarray]:
     return {f.name: getattr(w, f.name) for f in dataclasses.fields(w)}
 
 
-def parse_target_precision(precision: str | Precision | None) -> Precision | None:
-    """``keep`` (or None) -> None; otherwise ``nvfp4 | fp4 | fp8 | bf16`` in any case."""
-    if precision is None or (isinstance(precision, str) and precision.lower() == KEEP):
+# Conversion precisions: ``keep``, or the format every projection is requantised to (``fp8`` is
+# per row, ``fp8_block`` DeepSeek/GLM's 128x128 tiles); ``fp4`` is an alias of ``nvfp4``.
+PRECISIONS = (KEEP, "bf16", "fp8", "fp8_block", "nvfp4")
+_ALIASES = {"fp4": "nvfp4"}
+
+
+def parse_target_precision(precision: str | Precision | WeightFormat | None) -> WeightFormat | None:
+    """``keep`` (or None) -> None; ``bf16 | fp8 | fp8_block | nvfp4 | fp4`` (any case) -> the
+    format projections are requantised to (the router and shared-expert gate stay BF16)."""
+    if isinstance(precision, (Precision, WeightFormat)):
+        precision = precision.value
+    name = precision.lower() if isinstance(precision, str) else precision
+    name = _ALIASES.get(name, name)
+    if name is None or name == KEEP:
         return None
-    try:
-        return parse_precision(precision)
-    except ValueError:
+    if name not in PRECISIONS:
         raise ValueError(
-            f"unknown precision {precision!r}; expected one of: keep, nvfp4, fp4, fp8, bf16"
-        ) from None
+            f"unknown precision {precision!r}; expected one of: {', '.join(PRECISIONS)} "
+            "(fp4 is an alias of nvfp4)"
+        )
+    return WeightFormat(name)
 
 
-def describe_precision(precision: Precision | None) -> str:
+def target_format(role: Projection, target: WeightFormat, *, dense_ffn: bool) -> WeightFormat:
+    """A projection's stored format under ``target``: ``projection_format``'s rule, with
+    ``fp8_block`` following the FP8 rule in block-128 tiles."""
+    block = target is WeightFormat.FP8_BLOCK
+    fmt = projection_format(role, "fp8" if block else target.value, dense_ffn=dense_ffn)
+    return WeightFormat.FP8_BLOCK if block and fmt is WeightFormat.FP8 else fmt
+
+
+def describe_precision(precision: WeightFormat | None) -> str:
     return KEEP if precision is None else precision.value
 
 
@@ -174,7 +198,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
     if len(info.shape) < 2:
         raise fail(f"expected a [N, K] projection, found shape {_shape(info)}")
     *lead, n, k = info.shape
-    if info.dtype in _FLOAT_DTYPES:
+    if info.dtype in FLOAT_DTYPES:
         return SourceWeight(
             name=name, weight=info, format=SourceFormat(info.dtype.lower()), shape=info.shape
         )
@@ -188,7 +212,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                     f"{_shape(scale_inv)}, expected {list(want)} for a weight of shape "
                     f"{_shape(info)} (other block sizes are not supported)"
                 )
-            _check_float_companion(scale_inv, fail)
+            check_dtype(scale_inv, "weight scale")
             return SourceWeight(
                 name=name,
                 weight=info,
@@ -202,7 +226,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                 f"F8_E4M3 weight without a {name}_scale_inv (block) or {name}_scale (per-row) "
                 "companion: cannot tell how to dequantise it"
             )
-        _check_float_companion(scale, fail)
+        check_dtype(scale, "weight scale")
         if scale.shape in ((*lead, n), (*lead, n, 1)):
             fmt = SourceFormat.FP8_ROW
         elif math.prod(scale.shape) == 1 and not lead:
@@ -246,9 +270,13 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
     )
 
 
-def _check_float_companion(info: TensorInfo, fail: Callable[[str], CheckpointError]) -> None:
-    if info.dtype not in _FLOAT_DTYPES:
-        raise fail(f"scale tensor {info.name} is {info.dtype}, expected a float dtype")
+def check_dtype(info: TensorInfo, role: str, allowed: Sequence[str] = FLOAT_DTYPES) -> None:
+    """The one dtype check: ``info`` (a ``role`` such as "norm or bias") must be ``allowed``."""
+    if info.dtype not in allowed:
+        raise CheckpointError(
+            f"{info.name} ({info.file.name}): a {role} must be {' / '.join(allowed)}, found "
+            f"{info.dtype}"
+        )
 
 
 def companion_names(name: str) -> tuple[str, ...]:
@@ -361,10 +389,7 @@ def _requantize_rows(
     bounds = [(r0, min(r0 + step, n)) for r0 in range(0, n, step)]
 
     def quantize_f32(x: np.ndarray) -> Weight:
-        try:
-            return _to_numpy(quantize(jnp.asarray(x), fmt))
-        except ValueError as err:
-            raise CheckpointError(f"{src.name}: cannot store as {fmt.value}: {err}") from None
+        return _quantize_float(x, fmt, src.name)
 
     if len(bounds) == 1:
         return quantize_f32(rows(0, n))
@@ -484,7 +509,7 @@ def convert_packed_slices(
     Each expert's rows are contiguous in the file and are read on their own, one expert at a
     time, so the packed tensor is never held whole.
     """
-    if info.dtype not in _FLOAT_DTYPES:
+    if info.dtype not in FLOAT_DTYPES:
         raise CheckpointError(
             f"{info.name} ({info.file.name}): packed experts stored {info.dtype}; only float "
             "(BF16/F16/F32) packed experts are supported"

@@ -41,8 +41,8 @@ from typing import Any
 
 import jax
 
-from mtpjax.checkpoint.formats import companion_names
-from mtpjax.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from mtpjax.checkpoint._formats import companion_names
+from mtpjax.checkpoint._safetensors_io import CheckpointError, SafetensorsCheckpoint
 from mtpjax.config import Architecture, DrafterConfig, FfnKind
 from mtpjax.drafter.params import DrafterParams
 from mtpjax.head import LMHeadParams
@@ -188,12 +188,18 @@ def _text_prefix(names: set[str]) -> str:
     )
 
 
-def _head_entries(cfg: DrafterConfig, names: set[str]) -> tuple[list[Entry], bool]:
+def _head_entries(cfg: DrafterConfig, names: set[str], source: str) -> tuple[list[Entry], bool]:
     text = _text_prefix(names)
     V, H = cfg.vocab_size, cfg.hidden_size
     embed = text + "embed_tokens.weight"
     lm_head = "lm_head.weight"
     tied = lm_head not in names
+    if tied and not cfg.tie_word_embeddings:
+        # Using the embedding as an untied model's head would run, and draft garbage.
+        raise CheckpointError(
+            f"{source} has no {lm_head!r}, but config.json sets tie_word_embeddings: false "
+            "(the LM head is its own tensor); refusing to use the embedding as the head"
+        )
     entries = [
         Entry(
             name=HEAD_EMBEDDING,
@@ -358,7 +364,7 @@ def _qwen_plan(cfg: DrafterConfig, names: set[str], source: str) -> Plan:
     if not _has_prefix(names, "mtp."):
         raise _no_mtp(cfg, source, ["mtp."])
     H = cfg.hidden_size
-    entries, tied = _head_entries(cfg, names)
+    entries, tied = _head_entries(cfg, names, source)
     entries += [
         _weight("mtp.fc", (H, 2 * H), "[hidden_size, 2 * hidden_size]", Projection.FC),
         _vector("mtp.pre_fc_norm_embedding", H, "[hidden_size]"),
@@ -478,42 +484,20 @@ def _generic_module(
         local = name[len(prefix) :]
         spec = _KNOWN_SHAPES.get(local)
         shape, what = (_dims(spec[0], cfg), spec[1]) if spec else (None, "")
+        base = name.removesuffix(".weight")
         if local == "embed_tokens.weight":
-            entries.append(
-                Entry(
-                    name=name.removesuffix(".weight"),
-                    kind=EntryKind.EMBEDDING,
-                    sources=(name,),
-                    shape=shape,
-                    what=what,
-                )
-            )
-            continue
-        info = ckpt.info(name)
-        if name.endswith(".weight") and len(info.shape) == 2:
-            base = name.removesuffix(".weight")
-            head = local == "shared_head.head.weight"
-            entries.append(
-                Entry(
-                    name=base,
-                    kind=EntryKind.WEIGHT,
-                    sources=(name,),
-                    shape=shape,
-                    what=what,
-                    role=None if head else _generic_role(base),
-                    head=head,
-                )
-            )
+            kind = EntryKind.EMBEDDING
+        elif name.endswith(".weight") and len(ckpt.info(name).shape) == 2:
+            kind = EntryKind.WEIGHT
         else:
-            entries.append(
-                Entry(
-                    name=name.removesuffix(".weight"),
-                    kind=EntryKind.ARRAY,
-                    sources=(name,),
-                    shape=shape,
-                    what=what,
-                )
+            kind = EntryKind.ARRAY
+        head = kind is EntryKind.WEIGHT and local == "shared_head.head.weight"
+        role = _generic_role(base) if kind is EntryKind.WEIGHT and not head else None
+        entries.append(
+            Entry(
+                name=base, kind=kind, sources=(name,), shape=shape, what=what, role=role, head=head
             )
+        )
     for (container, proj), by_index in sorted(experts.items()):
         count = len(by_index)
         if sorted(by_index) != list(range(count)):
@@ -545,7 +529,7 @@ def _generic_plan(
     scheme = next((s for s in schemes if _has_prefix(names, s[0])), None)
     if scheme is None:
         raise _no_mtp(cfg, source, [s[0] for s in schemes])
-    entries, tied = _head_entries(cfg, name_set)
+    entries, tied = _head_entries(cfg, name_set, source)
     required = {
         Architecture.DEEPSEEK_V3: _NEXTN_REQUIRED,
         Architecture.GLM4_MOE: _NEXTN_REQUIRED,

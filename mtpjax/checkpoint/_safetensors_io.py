@@ -12,6 +12,9 @@ each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offset
 end of the header) plus an optional ``"__metadata__"``; then the data. BF16 and FP8 tensors are
 viewed through ``ml_dtypes`` (numpy itself has neither).
 
+Headers are held to the format: no duplicate keys, dims and offsets non-negative integers, each
+byte range the size its shape and dtype need, and the ranges tiling the data section exactly (no
+overlap, no gap, nothing past the end). Every float tensor read is checked for inf / NaN.
 Every failure raises ``CheckpointError`` naming the file and, where there is one, the tensor.
 """
 
@@ -65,7 +68,44 @@ DTYPES: dict[str, np.dtype] = {
 
 
 class CheckpointError(ValueError):
-    """A checkpoint cannot be read or converted; the message names the file and tensor."""
+    """A checkpoint cannot be read, converted or loaded; the one-line message names the file,
+    the tensor, and the expected and found values."""
+
+
+_FLOAT_NAMES = frozenset(k for k in DTYPES if k.startswith(("F", "BF")))
+
+
+def _check_finite(info: TensorInfo, start: int, values: np.ndarray) -> None:
+    """Rejects inf / NaN in what was read of a float tensor (elements ``start ..``): quantising
+    one turns a whole row (FP8) or matrix (NVFP4) into NaN, or silently into 0."""
+    bad = ~np.isfinite(values.reshape(-1))
+    if bad.any():
+        first = np.unravel_index(start + int(np.argmax(bad)), info.shape)
+        whole = start == 0 and values.size == math.prod(info.shape)
+        where = "" if whole else f" among elements [{start}, {start + values.size})"
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r} holds {int(bad.sum())} non-finite values (inf or "
+            f"NaN){where}, the first at index {[int(i) for i in first]}"
+        )
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json`` object hook: a key given twice is an error (the format forbids it), not "last
+    one wins"."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -132,50 +172,80 @@ class SafetensorsFile:
         except OSError as err:
             raise self._fail(f"cannot read: {err.strerror or err}") from None
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise self._fail(f"corrupt safetensors header (not valid JSON: {err})") from None
+        except _DuplicateKey as err:
+            raise self._fail(
+                f"corrupt safetensors header: key {err.args[0]!r} appears twice"
+            ) from None
         if not isinstance(header, dict):
             raise self._fail("corrupt safetensors header (not a JSON object)")
-        data_start = 8 + n
         meta = header.pop("__metadata__", None)
         if isinstance(meta, dict):
             self.metadata = {str(k): str(v) for k, v in meta.items()}
+        data_start, data_size = 8 + n, size - 8 - n
         for name, entry in header.items():
-            info = self._entry(name, entry, data_start)
-            if info.end > size:
-                raise self._fail(
-                    f"truncated safetensors file: tensor {name!r} ends at byte {info.end} but "
-                    f"the file holds {size} bytes"
+            self.tensors[name] = self._entry(name, entry, data_start, data_size)
+        # The format forbids holes and overlaps: the data section is exactly the tensors' byte
+        # ranges laid end to end (so no two tensors alias, and no bytes hide between them).
+        end = 0
+        for info in sorted(self.tensors.values(), key=lambda t: (t.begin, t.end)):
+            if info.begin - data_start != end:
+                what = (
+                    "overlaps the tensor before it"
+                    if info.begin - data_start < end
+                    else (f"leaves a gap of {info.begin - data_start - end} bytes before it")
                 )
-            self.tensors[name] = info
+                raise self._fail(
+                    f"corrupt safetensors header: tensor {info.name!r} data_offsets "
+                    f"[{info.begin - data_start}, {info.end - data_start}] {what}"
+                )
+            end = info.end - data_start
+        if end != data_size:
+            raise self._fail(
+                f"corrupt safetensors file: the tensors cover {end} bytes of a data section of "
+                f"{data_size} (trailing bytes the header does not describe)"
+            )
 
-    def _entry(self, name: str, entry: Any, data_start: int) -> TensorInfo:
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+    def _entry(self, name: str, entry: Any, data_start: int, data_size: int) -> TensorInfo:
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise self._fail(
                 f"corrupt safetensors header: entry {name!r} lacks dtype/shape/data_offsets"
-            ) from None
+            )
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in DTYPES:
             raise self._fail(
                 f"tensor {name!r} has dtype {dtype!r}, which this reader does not know "
                 f"(known: {', '.join(DTYPES)})"
             )
-        want = math.prod(shape) * DTYPES[dtype].itemsize
-        if any(d < 0 for d in shape) or begin < 0 or end - begin != want:
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
             raise self._fail(
-                f"corrupt safetensors header: tensor {name!r} of dtype {dtype} and shape "
-                f"{list(shape)} needs {want} bytes but its data_offsets [{begin}, {end}] span "
-                f"{end - begin}"
+                f"corrupt safetensors header: tensor {name!r} has shape {shape!r}, expected a "
+                "list of non-negative integers"
+            )
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise self._fail(
+                f"corrupt safetensors header: tensor {name!r} has data_offsets {offsets!r}, "
+                "expected [begin, end] non-negative integers"
+            )
+        begin, end = offsets
+        want = math.prod(shape) * DTYPES[dtype].itemsize
+        if end - begin != want:
+            raise self._fail(
+                f"corrupt safetensors header: tensor {name!r}: shape {shape} of {dtype} needs "
+                f"{want} bytes, data_offsets [{begin}, {end}] span {end - begin}"
+            )
+        if end > data_size:
+            raise self._fail(
+                f"truncated safetensors file: tensor {name!r} ends at byte {data_start + end} "
+                f"but the file holds {data_start + data_size} bytes"
             )
         return TensorInfo(
             name=name,
             file=self.path,
             dtype=dtype,
-            shape=shape,
+            shape=tuple(shape),
             begin=data_start + begin,
             end=data_start + end,
         )
@@ -232,6 +302,8 @@ class SafetensorsFile:
                     f"{offset + done} of {info.nbytes} bytes"
                 )
             done += got
+        if info.dtype in _FLOAT_NAMES:
+            _check_finite(info, offset // info.np_dtype.itemsize, out)
 
     def _descriptor(self) -> int:
         if self._fd is None:
@@ -300,6 +372,11 @@ class SafetensorsCheckpoint:
     @property
     def names(self) -> list[str]:
         return list(self._weight_map)
+
+    @property
+    def shards(self) -> list[str]:
+        """The shard file names (the single file's name when there is no index)."""
+        return sorted(set(self._weight_map.values()))
 
     def __contains__(self, name: str) -> bool:
         return name in self._weight_map
