@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mtpjax import kv
@@ -54,6 +56,16 @@ def test_pool_config_validation():
     assert cfg.max_blocks_per_seq == 5 and cfg.num_blocks == 15 and cfg.max_rows_per_seq == 80
 
 
+def sequential_grants(num_free: int, counts: list[int]) -> list[bool]:
+    """Reference allocator: requests in index order, each granted whole if it fits in what the
+    earlier grants left; a refusal takes nothing."""
+    granted = []
+    for c in counts:
+        granted.append(c <= num_free)
+        num_free -= c if granted[-1] else 0
+    return granted
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     ops=st.lists(
@@ -75,9 +87,9 @@ def test_allocator_matches_set_model(ops):
         if op == "alloc":
             counts = np.asarray(arg, np.int32)
             new, first, granted = alloc_fn(alloc, counts)
-            budget = len(free_set)
+            expected = sequential_grants(len(free_set), counts.tolist())
             for r, c in enumerate(counts):
-                expect = int(np.sum(counts[: r + 1])) <= budget or c == 0
+                expect = expected[r]
                 assert bool(granted[r]) == expect
                 if c and expect:
                     ids = np.asarray(kv.block_ids(alloc, first[r] + jnp.arange(c))).tolist()
@@ -103,8 +115,7 @@ class CacheModel:
         self.capacity, self.free_blocks, self.block_size = capacity, num_blocks, block_size
 
     def append(self, k, num_new):
-        exhausted = False  # batch order is the priority: after one refusal, later asks fail too
-        for b, n in enumerate(num_new):
+        for b, n in enumerate(num_new):  # index order; a refusal leaves the blocks to later ones
             if self.error[b]:
                 continue
             new_len = len(self.rows[b]) + n
@@ -112,9 +123,8 @@ class CacheModel:
                 self.error[b] |= kv.KVError.CAPACITY_EXCEEDED
                 continue
             need = max(-(-new_len // self.block_size) - self.blocks[b], 0)
-            if need and (exhausted or need > self.free_blocks):
+            if need > self.free_blocks:
                 self.error[b] |= kv.KVError.OUT_OF_BLOCKS
-                exhausted = True
                 continue
             self.free_blocks -= need
             self.blocks[b] += need
@@ -203,6 +213,71 @@ def test_out_of_blocks_never_corrupts_other_sequences():
     cache = kv.free(cache, jnp.asarray([True, False]))
     kv.raise_on_error(cache)
     assert int(cache.allocator.num_free) == 1
+
+
+def test_a_refused_sequence_leaves_later_sequences_their_blocks():
+    """2 free blocks of 4 rows: asking 12 rows (3 blocks) fails only the asker, in either order."""
+    cfg = _cfg(num_blocks=2, max_blocks_per_seq=4, block_size=4)
+    rows = jnp.arange(2 * 12 * H * D, dtype=jnp.float32).reshape(2, 12, H, D)
+    for num_new, expected in (([12, 4], [False, True]), ([4, 12], [True, False])):
+        cache, ok = kv.append(kv.init_cache(cfg, num_seqs=2), rows, rows, jnp.asarray(num_new))
+        assert np.asarray(ok).tolist() == expected
+        oob = int(kv.KVError.OUT_OF_BLOCKS)
+        assert np.asarray(cache.error).tolist() == [0 if g else oob for g in expected]
+        assert np.asarray(cache.seq_len).tolist() == [4 if g else 0 for g in expected]
+        assert int(cache.allocator.num_free) == 1
+        k, _, valid = kv.gather(cache, 4)
+        b = expected.index(True)
+        assert np.asarray(valid[b]).all()
+        np.testing.assert_array_equal(np.asarray(k[b]), np.asarray(rows[b, :4]))
+        with pytest.raises(kv.KVCacheError, match=f"sequence {1 - b}: out of KV blocks"):
+            kv.raise_on_error(cache)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_blocks=st.integers(1, 10),
+    block_size=st.sampled_from([1, 2, 4]),
+    rounds=st.lists(st.lists(st.integers(0, 13), min_size=4, max_size=4), min_size=1, max_size=4),
+)
+@example(num_blocks=2, block_size=4, rounds=[[12, 4, 0, 0]])
+@example(num_blocks=3, block_size=2, rounds=[[2, 6, 2, 0], [0, 0, 3, 1]])
+def test_reserve_matches_a_sequential_reference(num_blocks, block_size, rounds):
+    """Rounds of `reserve` on a random pool: every sequence's ok, error flag, held blocks and the
+    free count equal a plain-Python allocator that serves the sequences one after another."""
+    num_seqs = 4
+    cfg = _cfg(num_blocks=num_blocks, max_blocks_per_seq=3, block_size=block_size)
+    capacity = cfg.max_rows_per_seq
+    cache = kv.init_cache(cfg, num_seqs=num_seqs)
+    free_blocks, held = num_blocks, [0] * num_seqs
+    length, error = [0] * num_seqs, [0] * num_seqs
+    for num_new in rounds:
+        expected_ok = []
+        for b, n in enumerate(num_new):
+            need = max(-(-(length[b] + n) // block_size) - held[b], 0)
+            if error[b]:
+                expected_ok.append(False)
+            elif length[b] + n > capacity:
+                error[b] |= kv.KVError.CAPACITY_EXCEEDED
+                expected_ok.append(False)
+            elif need > free_blocks:
+                error[b] |= kv.KVError.OUT_OF_BLOCKS
+                expected_ok.append(False)
+            else:
+                free_blocks, held[b], length[b] = free_blocks - need, held[b] + need, length[b] + n
+                expected_ok.append(True)
+        cache, ok = kv.reserve(cache, jnp.asarray(num_new, jnp.int32))
+        # reserve only makes room; commit the rows as append would.
+        seq_len = cache.seq_len + jnp.where(ok, jnp.asarray(num_new, jnp.int32), 0)
+        cache = dataclasses.replace(cache, seq_len=seq_len)
+        assert np.asarray(ok).tolist() == expected_ok
+        assert np.asarray(cache.error).tolist() == [int(e) for e in error]
+        table = np.asarray(cache.block_table)
+        assert (table >= 0).sum(axis=1).tolist() == held
+        assert int(cache.allocator.num_free) == free_blocks
+        owned = table[table >= 0].tolist()
+        free_ids = np.asarray(cache.allocator.free_stack[:free_blocks]).tolist()
+        assert sorted(owned + free_ids) == list(range(num_blocks))
 
 
 def test_capacity_exceeded_is_flagged():

@@ -50,11 +50,11 @@ def init_allocator(num_blocks: int) -> BlockAllocator:
 def allocate(
     alloc: BlockAllocator, counts: jax.Array
 ) -> tuple[BlockAllocator, jax.Array, jax.Array]:
-    """Hands out `counts[r]` blocks to request `r`, in request order.
+    """Hands out `counts[r]` blocks to request `r`, request by request in index order.
 
-    A request is granted whole or not at all: once the free blocks run short, that request and
-    every later one that asks for blocks is refused (batch order is the priority), so a refusal
-    never takes blocks from another request.
+    A request is granted whole or not at all, from the blocks the earlier granted requests left:
+    a refused request takes nothing, so it never changes what a later request gets (request r is
+    granted iff `counts[r]` <= the free blocks minus the earlier grants).
 
     Args:
       alloc: the allocator.
@@ -65,16 +65,20 @@ def allocate(
       `taken(first[r] + j)` for j < counts[r]; use `block_ids` to read them.
     """
     counts = jnp.asarray(counts, jnp.int32)
-    ends = jnp.cumsum(counts)
-    granted = ends <= alloc.num_free
-    # Only a prefix of the requests is granted (ends is non-decreasing), so the granted total is
-    # the end of the last granted request.
-    total = jnp.max(jnp.where(granted, ends, 0), initial=0)
-    first = ends - counts
+
+    # Whether a request fits depends on which earlier ones were granted, so no cumulative sum of
+    # the requests decides it: one scalar carry (the blocks still free) runs over the requests,
+    # unrolled into straight-line code (R is the batch, small and static).
+    def grant(left, count):
+        ok = count <= left
+        return left - jnp.where(ok, count, 0), ok
+
+    left, granted = jax.lax.scan(grant, alloc.num_free, counts, unroll=True)
+    taken = jnp.where(granted, counts, 0)
     return (
-        BlockAllocator(free_stack=alloc.free_stack, num_free=alloc.num_free - total),
-        first,
-        granted | (counts == 0),
+        BlockAllocator(free_stack=alloc.free_stack, num_free=left),
+        jnp.cumsum(taken) - taken,
+        granted,
     )
 
 
