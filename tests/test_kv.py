@@ -56,13 +56,15 @@ def test_pool_config_validation():
     assert cfg.max_blocks_per_seq == 5 and cfg.num_blocks == 15 and cfg.max_rows_per_seq == 80
 
 
-def sequential_grants(num_free: int, counts: list[int]) -> list[bool]:
-    """Reference allocator: requests in index order, each granted whole if it fits in what the
-    earlier grants left; a refusal takes nothing."""
-    granted = []
-    for c in counts:
-        granted.append(c <= num_free)
-        num_free -= c if granted[-1] else 0
+def sequential_grants(num_free: int, counts: list[int | None]) -> list[bool | None]:
+    """Reference allocator: the requests one by one, fewest blocks first (ties in index order),
+    each granted whole if it fits in what the earlier grants left; a refusal takes nothing.
+    A request whose count is None takes no part (its entry stays None)."""
+    granted: list[bool | None] = [None] * len(counts)
+    asking = [r for r, c in enumerate(counts) if c is not None]
+    for r in sorted(asking, key=lambda r: (counts[r], r)):
+        granted[r] = counts[r] <= num_free
+        num_free -= counts[r] if granted[r] else 0
     return granted
 
 
@@ -115,20 +117,24 @@ class CacheModel:
         self.capacity, self.free_blocks, self.block_size = capacity, num_blocks, block_size
 
     def append(self, k, num_new):
-        for b, n in enumerate(num_new):  # index order; a refusal leaves the blocks to later ones
+        needs: list[int | None] = [None] * len(num_new)
+        for b, n in enumerate(num_new):
             if self.error[b]:
                 continue
             new_len = len(self.rows[b]) + n
             if new_len > self.capacity:
                 self.error[b] |= kv.KVError.CAPACITY_EXCEEDED
                 continue
-            need = max(-(-new_len // self.block_size) - self.blocks[b], 0)
-            if need > self.free_blocks:
+            needs[b] = max(-(-new_len // self.block_size) - self.blocks[b], 0)
+        for b, granted in enumerate(sequential_grants(self.free_blocks, needs)):
+            if granted is None:
+                continue
+            if not granted:
                 self.error[b] |= kv.KVError.OUT_OF_BLOCKS
                 continue
-            self.free_blocks -= need
-            self.blocks[b] += need
-            self.rows[b] += [k[b, t] for t in range(n)]
+            self.free_blocks -= needs[b]
+            self.blocks[b] += needs[b]
+            self.rows[b] += [k[b, t] for t in range(num_new[b])]
 
     def truncate(self, rows):
         for b, r in enumerate(rows):
@@ -242,6 +248,7 @@ def test_a_refused_sequence_leaves_later_sequences_their_blocks():
 )
 @example(num_blocks=2, block_size=4, rounds=[[12, 4, 0, 0]])
 @example(num_blocks=3, block_size=2, rounds=[[2, 6, 2, 0], [0, 0, 3, 1]])
+@example(num_blocks=3, block_size=1, rounds=[[3, 1, 0, 2], [1, 1, 1, 1]])
 def test_reserve_matches_a_sequential_reference(num_blocks, block_size, rounds):
     """Rounds of `reserve` on a random pool: every sequence's ok, error flag, held blocks and the
     free count equal a plain-Python allocator that serves the sequences one after another."""
@@ -252,20 +259,22 @@ def test_reserve_matches_a_sequential_reference(num_blocks, block_size, rounds):
     free_blocks, held = num_blocks, [0] * num_seqs
     length, error = [0] * num_seqs, [0] * num_seqs
     for num_new in rounds:
-        expected_ok = []
+        needs: list[int | None] = [None] * num_seqs
         for b, n in enumerate(num_new):
-            need = max(-(-(length[b] + n) // block_size) - held[b], 0)
             if error[b]:
-                expected_ok.append(False)
-            elif length[b] + n > capacity:
+                continue
+            if length[b] + n > capacity:
                 error[b] |= kv.KVError.CAPACITY_EXCEEDED
-                expected_ok.append(False)
-            elif need > free_blocks:
+                continue
+            needs[b] = max(-(-(length[b] + n) // block_size) - held[b], 0)
+        expected_ok = []
+        for b, granted in enumerate(sequential_grants(free_blocks, needs)):
+            if granted:
+                free_blocks, held[b] = free_blocks - needs[b], held[b] + needs[b]
+                length[b] += num_new[b]
+            elif granted is False:
                 error[b] |= kv.KVError.OUT_OF_BLOCKS
-                expected_ok.append(False)
-            else:
-                free_blocks, held[b], length[b] = free_blocks - need, held[b] + need, length[b] + n
-                expected_ok.append(True)
+            expected_ok.append(bool(granted))
         cache, ok = kv.reserve(cache, jnp.asarray(num_new, jnp.int32))
         # reserve only makes room; commit the rows as append would.
         seq_len = cache.seq_len + jnp.where(ok, jnp.asarray(num_new, jnp.int32), 0)

@@ -50,11 +50,13 @@ def init_allocator(num_blocks: int) -> BlockAllocator:
 def allocate(
     alloc: BlockAllocator, counts: jax.Array
 ) -> tuple[BlockAllocator, jax.Array, jax.Array]:
-    """Hands out `counts[r]` blocks to request `r`, request by request in index order.
+    """Hands out `counts[r]` blocks to request `r`, each request whole or not at all.
 
-    A request is granted whole or not at all, from the blocks the earlier granted requests left:
-    a refused request takes nothing, so it never changes what a later request gets (request r is
-    granted iff `counts[r]` <= the free blocks minus the earlier grants).
+    Requests are served one by one, smallest first (ties in request order), each from the blocks
+    the earlier grants left. In that order the grants are a prefix: a request that does not fit
+    leaves every later one, which is no smaller, not fitting either. So one cumulative sum in
+    sorted order decides them all without a loop over R, and a refused request takes nothing: it
+    never changes what another request gets.
 
     Args:
       alloc: the allocator.
@@ -65,20 +67,15 @@ def allocate(
       `taken(first[r] + j)` for j < counts[r]; use `block_ids` to read them.
     """
     counts = jnp.asarray(counts, jnp.int32)
-
-    # Whether a request fits depends on which earlier ones were granted, so no cumulative sum of
-    # the requests decides it: one scalar carry (the blocks still free) runs over the requests,
-    # unrolled into straight-line code (R is the batch, small and static).
-    def grant(left, count):
-        ok = count <= left
-        return left - jnp.where(ok, count, 0), ok
-
-    left, granted = jax.lax.scan(grant, alloc.num_free, counts, unroll=True)
-    taken = jnp.where(granted, counts, 0)
+    order = jnp.argsort(counts, stable=True)
+    ends = jnp.cumsum(counts[order])
+    granted = ends <= alloc.num_free
+    total = jnp.max(jnp.where(granted, ends, 0), initial=0)  # the end of the granted prefix
+    unsort = jnp.argsort(order)
     return (
-        BlockAllocator(free_stack=alloc.free_stack, num_free=left),
-        jnp.cumsum(taken) - taken,
-        granted,
+        BlockAllocator(free_stack=alloc.free_stack, num_free=alloc.num_free - total),
+        (ends - counts[order])[unsort],
+        granted[unsort],
     )
 
 
