@@ -49,7 +49,6 @@ DEFAULT_CACHE_DIR = Path("~/.cache/mtpjax")
 SOURCE_FILES = ("config.json", "model.safetensors")
 PREFERRED_HELDOUT = "statistics.py"  # readable code with docstrings; any held-out file will do
 PROMPT_TOKENS = 128
-STEADY_RUNS = 2  # compiled runs of each decoder after the first; the fastest one is reported
 
 
 # ------------------------------------------------------------------------------------------
@@ -165,7 +164,7 @@ class DemoResult:
     device: str
     seconds_speculative: float  # the first call: compilation plus one run
     seconds_baseline: float
-    steady_seconds_speculative: float  # the fastest of STEADY_RUNS compiled runs
+    steady_seconds_speculative: float  # a second, compiled run
     steady_seconds_baseline: float
 
     @property
@@ -305,11 +304,9 @@ def run(
     spec, first_spec = timed(speculative)
     say("plain decoding with the target alone (compiles once)...")
     base, first_base = timed(plain)
-    say(f"steady state: {STEADY_RUNS} more runs of each...")
-    steady_spec = steady_base = math.inf
-    for _ in range(STEADY_RUNS):  # interleaved, so a slow spell of the host hits both
-        steady_spec = min(steady_spec, timed(speculative)[1])
-        steady_base = min(steady_base, timed(plain)[1])
+    say("steady state: each once more, compiled...")
+    steady_spec = timed(speculative)[1]
+    steady_base = timed(plain)[1]
     if np.any(spec.kv_error):
         raise RuntimeError(f"the drafter's KV cache reported errors {spec.kv_error}")
 
