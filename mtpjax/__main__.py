@@ -1,32 +1,35 @@
-"""Command line: `python -m mtpjax demo` (speculative decoding on the shipped pair) and
-`python -m mtpjax selfcheck` (version and JAX backend)."""
+"""Command line: `mtpjax demo` (speculative decoding on the shipped pair), `mtpjax selfcheck`
+(version and JAX backend) and `mtpjax convert SRC OUT ...` (a Hugging Face checkpoint's MTP
+drafter to an mtpjax checkpoint; `mtpjax convert --help` lists its flags)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+import mtpjax
+
 
 def _selfcheck(_: argparse.Namespace) -> int:
     import jax
-
-    import mtpjax
 
     print(f"mtpjax {mtpjax.__version__}")
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, devices {jax.devices()}")
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from mtpjax import demo
-
-    return demo.main(args)
-
-
 def main(argv: list[str] | None = None) -> int:
     from mtpjax import demo
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The converter parses its own flags (SRC OUT --precision ...): everything after `convert`
+    # goes to it untouched, `--help` included.
+    if argv[:1] == ["convert"]:
+        from mtpjax.checkpoint import convert_main
+
+        return convert_main(argv[1:])
     parser = argparse.ArgumentParser(prog="mtpjax", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mtpjax {mtpjax.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("selfcheck", help="print the library version and the JAX backend").set_defaults(
         func=_selfcheck
@@ -38,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(func=_demo)
+    demo_parser.set_defaults(func=demo.main)
+    sub.add_parser(
+        "convert",
+        add_help=False,
+        help="convert a Hugging Face checkpoint's MTP drafter: convert SRC OUT --precision ...",
+    )
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -92,6 +92,31 @@ def test_human_report(demo_json):
     assert f"{result.target_forwards_saved} saved" in text
 
 
+def test_speed_is_steady_state_per_device(demo_json):
+    """Both runs are timed twice: the first call (compilation included) apart, then steady-state
+    tokens per second; the device and the demonstration-model caveat are named."""
+    import jax
+
+    data = json.loads(demo_json[1])
+    device = jax.devices()[0]
+    assert data["device"] == f"{device.device_kind} ({device.platform})"
+    for run in ("speculative", "baseline"):
+        steady, first = data[f"steady_seconds_{run}"], data[f"seconds_{run}"]
+        assert 0 < steady < first  # the first call compiles
+        assert data[f"tokens_per_second_{run}"] == pytest.approx(
+            data[f"{run}_tokens"] / steady, rel=1e-3
+        )
+    assert data["speedup"] == pytest.approx(
+        data["tokens_per_second_speculative"] / data["tokens_per_second_baseline"], rel=1e-2
+    )
+    fields = {f.name for f in dataclasses.fields(demo.DemoResult)}
+    text = demo.report(demo.DemoResult(**{k: v for k, v in data.items() if k in fields}))
+    assert f"  device    {data['device']}" in text
+    assert "compile + first run" in text
+    assert f"speed-up {data['speedup']:.2f}x on {data['device']}" in text
+    assert "small demonstration model" in text
+
+
 def test_default_prompt_is_held_out_code():
     tokenizer = Tokenizer.from_file(str(demo.ASSET_DIR / "tokenizer.json"))
     prompt = demo.default_prompt(tokenizer)

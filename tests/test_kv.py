@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mtpjax import kv
@@ -54,6 +56,18 @@ def test_pool_config_validation():
     assert cfg.max_blocks_per_seq == 5 and cfg.num_blocks == 15 and cfg.max_rows_per_seq == 80
 
 
+def sequential_grants(num_free: int, counts: list[int | None]) -> list[bool | None]:
+    """Reference allocator: the requests one by one, fewest blocks first (ties in index order),
+    each granted whole if it fits in what the earlier grants left; a refusal takes nothing.
+    A request whose count is None takes no part (its entry stays None)."""
+    granted: list[bool | None] = [None] * len(counts)
+    asking = [r for r, c in enumerate(counts) if c is not None]
+    for r in sorted(asking, key=lambda r: (counts[r], r)):
+        granted[r] = counts[r] <= num_free
+        num_free -= counts[r] if granted[r] else 0
+    return granted
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     ops=st.lists(
@@ -75,9 +89,9 @@ def test_allocator_matches_set_model(ops):
         if op == "alloc":
             counts = np.asarray(arg, np.int32)
             new, first, granted = alloc_fn(alloc, counts)
-            budget = len(free_set)
+            expected = sequential_grants(len(free_set), counts.tolist())
             for r, c in enumerate(counts):
-                expect = int(np.sum(counts[: r + 1])) <= budget or c == 0
+                expect = expected[r]
                 assert bool(granted[r]) == expect
                 if c and expect:
                     ids = np.asarray(kv.block_ids(alloc, first[r] + jnp.arange(c))).tolist()
@@ -103,7 +117,7 @@ class CacheModel:
         self.capacity, self.free_blocks, self.block_size = capacity, num_blocks, block_size
 
     def append(self, k, num_new):
-        exhausted = False  # batch order is the priority: after one refusal, later asks fail too
+        needs: list[int | None] = [None] * len(num_new)
         for b, n in enumerate(num_new):
             if self.error[b]:
                 continue
@@ -111,14 +125,16 @@ class CacheModel:
             if new_len > self.capacity:
                 self.error[b] |= kv.KVError.CAPACITY_EXCEEDED
                 continue
-            need = max(-(-new_len // self.block_size) - self.blocks[b], 0)
-            if need and (exhausted or need > self.free_blocks):
-                self.error[b] |= kv.KVError.OUT_OF_BLOCKS
-                exhausted = True
+            needs[b] = max(-(-new_len // self.block_size) - self.blocks[b], 0)
+        for b, granted in enumerate(sequential_grants(self.free_blocks, needs)):
+            if granted is None:
                 continue
-            self.free_blocks -= need
-            self.blocks[b] += need
-            self.rows[b] += [k[b, t] for t in range(n)]
+            if not granted:
+                self.error[b] |= kv.KVError.OUT_OF_BLOCKS
+                continue
+            self.free_blocks -= needs[b]
+            self.blocks[b] += needs[b]
+            self.rows[b] += [k[b, t] for t in range(num_new[b])]
 
     def truncate(self, rows):
         for b, r in enumerate(rows):
@@ -203,6 +219,74 @@ def test_out_of_blocks_never_corrupts_other_sequences():
     cache = kv.free(cache, jnp.asarray([True, False]))
     kv.raise_on_error(cache)
     assert int(cache.allocator.num_free) == 1
+
+
+def test_a_refused_sequence_leaves_later_sequences_their_blocks():
+    """2 free blocks of 4 rows: asking 12 rows (3 blocks) fails only the asker, in either order."""
+    cfg = _cfg(num_blocks=2, max_blocks_per_seq=4, block_size=4)
+    rows = jnp.arange(2 * 12 * H * D, dtype=jnp.float32).reshape(2, 12, H, D)
+    for num_new, expected in (([12, 4], [False, True]), ([4, 12], [True, False])):
+        cache, ok = kv.append(kv.init_cache(cfg, num_seqs=2), rows, rows, jnp.asarray(num_new))
+        assert np.asarray(ok).tolist() == expected
+        oob = int(kv.KVError.OUT_OF_BLOCKS)
+        assert np.asarray(cache.error).tolist() == [0 if g else oob for g in expected]
+        assert np.asarray(cache.seq_len).tolist() == [4 if g else 0 for g in expected]
+        assert int(cache.allocator.num_free) == 1
+        k, _, valid = kv.gather(cache, 4)
+        b = expected.index(True)
+        assert np.asarray(valid[b]).all()
+        np.testing.assert_array_equal(np.asarray(k[b]), np.asarray(rows[b, :4]))
+        with pytest.raises(kv.KVCacheError, match=f"sequence {1 - b}: out of KV blocks"):
+            kv.raise_on_error(cache)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_blocks=st.integers(1, 10),
+    block_size=st.sampled_from([1, 2, 4]),
+    rounds=st.lists(st.lists(st.integers(0, 13), min_size=4, max_size=4), min_size=1, max_size=4),
+)
+@example(num_blocks=2, block_size=4, rounds=[[12, 4, 0, 0]])
+@example(num_blocks=3, block_size=2, rounds=[[2, 6, 2, 0], [0, 0, 3, 1]])
+@example(num_blocks=3, block_size=1, rounds=[[3, 1, 0, 2], [1, 1, 1, 1]])
+def test_reserve_matches_a_sequential_reference(num_blocks, block_size, rounds):
+    """Rounds of `reserve` on a random pool: every sequence's ok, error flag, held blocks and the
+    free count equal a plain-Python allocator that serves the sequences one after another."""
+    num_seqs = 4
+    cfg = _cfg(num_blocks=num_blocks, max_blocks_per_seq=3, block_size=block_size)
+    capacity = cfg.max_rows_per_seq
+    cache = kv.init_cache(cfg, num_seqs=num_seqs)
+    free_blocks, held = num_blocks, [0] * num_seqs
+    length, error = [0] * num_seqs, [0] * num_seqs
+    for num_new in rounds:
+        needs: list[int | None] = [None] * num_seqs
+        for b, n in enumerate(num_new):
+            if error[b]:
+                continue
+            if length[b] + n > capacity:
+                error[b] |= kv.KVError.CAPACITY_EXCEEDED
+                continue
+            needs[b] = max(-(-(length[b] + n) // block_size) - held[b], 0)
+        expected_ok = []
+        for b, granted in enumerate(sequential_grants(free_blocks, needs)):
+            if granted:
+                free_blocks, held[b] = free_blocks - needs[b], held[b] + needs[b]
+                length[b] += num_new[b]
+            elif granted is False:
+                error[b] |= kv.KVError.OUT_OF_BLOCKS
+            expected_ok.append(bool(granted))
+        cache, ok = kv.reserve(cache, jnp.asarray(num_new, jnp.int32))
+        # reserve only makes room; commit the rows as append would.
+        seq_len = cache.seq_len + jnp.where(ok, jnp.asarray(num_new, jnp.int32), 0)
+        cache = dataclasses.replace(cache, seq_len=seq_len)
+        assert np.asarray(ok).tolist() == expected_ok
+        assert np.asarray(cache.error).tolist() == [int(e) for e in error]
+        table = np.asarray(cache.block_table)
+        assert (table >= 0).sum(axis=1).tolist() == held
+        assert int(cache.allocator.num_free) == free_blocks
+        owned = table[table >= 0].tolist()
+        free_ids = np.asarray(cache.allocator.free_stack[:free_blocks]).tolist()
+        assert sorted(owned + free_ids) == list(range(num_blocks))
 
 
 def test_capacity_exceeded_is_flagged():

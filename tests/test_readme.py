@@ -31,6 +31,10 @@ def test_readme_has_the_quickstart_and_the_setup_commands():
     setup = text.index("make demo")
     assert setup < text.index("## Quickstart")
     assert "make test" in text[: text.index("## Quickstart")]
+    # One block runs `mtpjax.generate` beside `mtpjax.generate_baseline` on the shipped pair.
+    assert any(
+        "mtpjax.generate(" in b and "mtpjax.generate_baseline(" in b for b in python_blocks(text)
+    )
 
 
 def test_readme_python_runs(tmp_path, monkeypatch, capsys):
@@ -45,4 +49,8 @@ def test_readme_python_runs(tmp_path, monkeypatch, capsys):
     # The quickstart decodes its prompt and continuation; the greedy rounds emitted tokens.
     assert out.startswith("def mean(data):")
     assert len(namespace["generated"]) > 8  # at least one token per round of 8
+    # The generate block: greedy speculation equal to the plain decoder, in fewer target forwards.
+    assert (namespace["spec"].tokens == namespace["plain"].tokens).all()
+    assert int(namespace["spec"].target_steps) < int(namespace["plain"].target_steps)
+    assert "target forwards after the prefill" in out
     assert (tmp_path / "out" / "tiny-mtp-nvfp4").is_dir()

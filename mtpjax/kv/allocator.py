@@ -50,11 +50,13 @@ def init_allocator(num_blocks: int) -> BlockAllocator:
 def allocate(
     alloc: BlockAllocator, counts: jax.Array
 ) -> tuple[BlockAllocator, jax.Array, jax.Array]:
-    """Hands out `counts[r]` blocks to request `r`, in request order.
+    """Hands out `counts[r]` blocks to request `r`, each request whole or not at all.
 
-    A request is granted whole or not at all: once the free blocks run short, that request and
-    every later one that asks for blocks is refused (batch order is the priority), so a refusal
-    never takes blocks from another request.
+    Requests are served one by one, smallest first (ties in request order), each from the blocks
+    the earlier grants left. In that order the grants are a prefix: a request that does not fit
+    leaves every later one, which is no smaller, not fitting either. So one cumulative sum in
+    sorted order decides them all without a loop over R, and a refused request takes nothing: it
+    never changes what another request gets.
 
     Args:
       alloc: the allocator.
@@ -65,16 +67,15 @@ def allocate(
       `taken(first[r] + j)` for j < counts[r]; use `block_ids` to read them.
     """
     counts = jnp.asarray(counts, jnp.int32)
-    ends = jnp.cumsum(counts)
+    order = jnp.argsort(counts, stable=True)
+    ends = jnp.cumsum(counts[order])
     granted = ends <= alloc.num_free
-    # Only a prefix of the requests is granted (ends is non-decreasing), so the granted total is
-    # the end of the last granted request.
-    total = jnp.max(jnp.where(granted, ends, 0), initial=0)
-    first = ends - counts
+    total = jnp.max(jnp.where(granted, ends, 0), initial=0)  # the end of the granted prefix
+    unsort = jnp.argsort(order)
     return (
         BlockAllocator(free_stack=alloc.free_stack, num_free=alloc.num_free - total),
-        first,
-        granted | (counts == 0),
+        (ends - counts[order])[unsort],
+        granted[unsort],
     )
 
 

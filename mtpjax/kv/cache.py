@@ -87,7 +87,9 @@ def reserve(cache: PagedKVCache, num_new: jax.Array) -> tuple[PagedKVCache, jax.
 
     Returns the new cache and `ok` bool[B]: whether sequence b may write its rows. Sequences
     that already carry an error, or would exceed their capacity, or cannot get blocks, are not
-    ok; their flag is set and their table is unchanged.
+    ok; their flag is set and their table is unchanged. Blocks go to the sequences fewest new
+    blocks first (ties in index order, see `allocate`) and a refused sequence takes none, so one
+    sequence's failure never changes another's outcome.
     """
     num_new = jnp.asarray(num_new, jnp.int32)
     S = cache.block_size
