@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtpjax.verify import PLACEHOLDER_TOKEN_ID, AcceptResult, accept
+from mtpjax.verify.accept import PLACEHOLDER_TOKEN_ID, AcceptResult, accept
 
 # N independent sequences in one batch (one jit call) per round. A test fails when a chi-square
 # p-value falls below P_FLOOR. Inputs and keys are seeded, so a passing test keeps passing;
