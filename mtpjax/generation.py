@@ -236,10 +236,13 @@ def _check_prompts(prompts: Any, lengths: Any, vocab: int) -> tuple[jax.Array, j
         )
     if not isinstance(prompts, jax.core.Tracer) and not isinstance(lengths, jax.core.Tracer):
         ids, n = np.asarray(prompts), np.asarray(lengths)
-        for b in np.flatnonzero((n < 1) | (n > T))[:1]:
+        bad = np.flatnonzero((n < 1) | (n > T))
+        if bad.size:
+            b = bad[0]
             raise ValueError(f"lengths[{b}]={n[b]}: expected a prompt length in [1, {T}]")
-        in_prompt = np.arange(T)[None, :] < n[:, None]
-        for b, t in np.argwhere(in_prompt & ((ids < 0) | (ids >= vocab)))[:1]:
+        bad = np.argwhere((np.arange(T)[None, :] < n[:, None]) & ((ids < 0) | (ids >= vocab)))
+        if bad.size:
+            b, t = bad[0]
             raise ValueError(
                 f"prompts[{b}, {t}]={ids[b, t]} (sequence {b}, length {n[b]}): expected a token "
                 f"id in [0, {vocab})"
