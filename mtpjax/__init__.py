@@ -10,15 +10,15 @@ in its own subpackage:
     mtpjax.layers      norms, RoPE, gated GQA attention, dense and MoE FFN
     mtpjax.drafter     the MTP drafter: init, drafter_forward, propose, after_verify, prefill
     mtpjax.head        the target LM head (row-count tiers, vocab-parallel variant)
-    mtpjax.verify      acceptance rule, the verify step, vLLM-compatible metrics
+    mtpjax.verify      the verify step; its modules accept (the rule) and metrics (vLLM's)
     mtpjax.checkpoint  Hugging Face checkpoint conversion and load_drafter
     mtpjax.generation  speculative generation (one while_loop) and the plain baseline
     mtpjax.reference   the reference target model used by the demo and the tests
 
-Note: `mtpjax.verify` here is the verify step; its subpackage is imported with
-`from mtpjax.verify import ...`.
+The verify step is `mtpjax.verify.verify` and the acceptance rule `mtpjax.accept`.
 """
 
+from mtpjax import verify
 from mtpjax.checkpoint import DrafterCheckpoint, load_drafter
 from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
 from mtpjax.drafter import (
@@ -41,7 +41,8 @@ from mtpjax.generation import (
 from mtpjax.head import LMHeadParams, lm_head
 from mtpjax.kernels import register_pallas_kernels
 from mtpjax.kv import DrafterState, init_state
-from mtpjax.verify import SpecDecodeMetrics, VerifyOutput, accept, verify
+from mtpjax.verify import SpecDecodeMetrics, VerifyOutput
+from mtpjax.verify.accept import accept
 from mtpjax.weights import Precision, dequantize, linear, parse_precision, quantize
 
 __version__ = "0.1.0"

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import inspect
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +41,12 @@ __all__ = [
     "FfnKind",
     "HiddenContract",
     "InputOrder",
+    "KeywordOnly",
     "LMHeadConfig",
     "MlaConfig",
     "MoeConfig",
     "RouterScoring",
+    "configs_by_name",
     "load_hf_config",
 ]
 
@@ -125,11 +129,48 @@ def _check_enum(key: str, value: Any, kind: type[enum.Enum]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Keyword-only construction and passing.
+
+
+class KeywordOnly:
+    """Base of the keyword-only config dataclasses: a positional field gets one clear line
+    instead of the interpreter's count of ``__init__`` arguments."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if args:
+            raise TypeError(
+                f"{cls.__name__} takes keyword arguments only; got {len(args)} positional"
+            )
+        return super().__new__(cls)
+
+
+def configs_by_name[F: Callable[..., Any]](step: F) -> F:
+    """Wraps a step ``f(a, b, *, cfg, ...)`` whose configs are keyword-only: a call with more
+    positional arguments than it takes says that the config goes by name."""
+    params = inspect.signature(step).parameters.values()
+    positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+    names = " and ".join(p.name for p in params if p.kind is p.KEYWORD_ONLY and "cfg" in p.name)
+
+    @functools.wraps(step)
+    def call(*args: Any, **kwargs: Any):
+        if len(args) > positional:
+            raise TypeError(
+                f"{step.__name__}: {names} must be passed by name ({names.split()[0]}=...); "
+                f"got {len(args)} positional arguments, {positional} allowed"
+            )
+        return step(*args, **kwargs)
+
+    return call
+
+
+# --------------------------------------------------------------------------------------------
 # Configs.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MoeConfig:
+class MoeConfig(KeywordOnly):
     """Routed mixture-of-experts FFN (plus an optional always-on shared expert).
 
     ``y = sum_k w_k * expert_k(x) * routed_scaling_factor + [sigmoid(g(x))] * shared(x)`` where
@@ -194,7 +235,7 @@ class MoeConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MlaConfig:
+class MlaConfig(KeywordOnly):
     """DeepSeek multi-head latent attention dimensions (config only: no MLA drafter yet)."""
 
     q_lora_rank: int | None  # None: q is projected directly from H (DeepSeek-V2-Lite)
@@ -246,7 +287,7 @@ _NOT_IMPLEMENTED = {
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DrafterConfig:
+class DrafterConfig(KeywordOnly):
     """Static description of a checkpoint's MTP drafter (one or more MTP modules).
 
     ``head_dim`` is the q/k head width; for MLA configs it is ``qk_nope + qk_rope`` and the MLA
@@ -495,7 +536,7 @@ class DrafterConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LMHeadConfig:
+class LMHeadConfig(KeywordOnly):
     """The target's output projection ``[V, H]`` and what is applied around it.
 
     ``logits = cap * tanh((h @ W.T) / cap)`` when ``logit_softcap`` is set; ``embedding_scale``

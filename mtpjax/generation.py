@@ -3,17 +3,19 @@ step / verify inside one ``jax.lax.while_loop``; and the plain decoding baseline
 
     target = mtpjax.reference_target(tcfg, target_params, head)
     out = mtpjax.generate(target, drafter_params, head, prompts, lengths,
-                            drafter_cfg=dcfg, head_cfg=tcfg.lm_head_config(),
-                            max_new_tokens=128, num_drafts=3)
+                          drafter_cfg=dcfg, head_cfg=tcfg.lm_head_config(),
+                          max_new_tokens=128, num_drafts=3)
     base = mtpjax.generate_baseline(target, head, prompts, lengths,
-                                      head_cfg=tcfg.lm_head_config(), max_new_tokens=128,
-                                      step_width=3 + 1)
+                                    head_cfg=tcfg.lm_head_config(), max_new_tokens=128,
+                                    step_width=3 + 1)
     out.tokens, out.lengths, out.metrics.mean_acceptance_length(), out.target_steps
 
 The target is a function argument (``TargetModel``: its params and three callables), so any model
 with that interface plugs in; ``reference_target`` wraps ``mtpjax.reference``. Each call is one
 jit (traced once per batch shape and static options): prompts of different lengths share a
-trace, ragged through ``lengths``. Nothing syncs with the host until the result is read.
+trace, ragged through ``lengths``, and so do all temperatures > 0 (the temperature is traced;
+greedy is its own program). Concrete prompts and lengths are checked on the host before the jit;
+nothing else syncs with the host until the result is read.
 
 Round protocol (one sequence; committed tokens ``t_0 .. t_n``, the target's cache holding the
 K/V of positions ``< n``):
@@ -55,15 +57,18 @@ from typing import Any
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtpjax import drafter as drafter_lib
 from mtpjax import reference
-from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
+from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig, configs_by_name
 from mtpjax.drafter import DrafterParams, Pairs
 from mtpjax.head import LMHeadParams, lm_head
 from mtpjax.verify import SpecDecodeMetrics, verify
 from mtpjax.verify import metrics as metrics_lib
+from mtpjax.verify.accept import check_temperature
 from mtpjax.weights import WeightFormat
+from pallas_kernels.implementation import Implementation
 
 __all__ = [
     "GenerateOutput",
@@ -121,7 +126,7 @@ class _ReferenceInitCache:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _ReferencePrefill:
     cfg: reference.TargetConfig
-    implementation: str
+    implementation: Implementation
 
     def __call__(self, params, cache, tokens, lengths):
         target, head = params
@@ -133,7 +138,7 @@ class _ReferencePrefill:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _ReferenceStep:
     cfg: reference.TargetConfig
-    implementation: str
+    implementation: Implementation
 
     def __call__(self, params, cache, tokens, start):
         target, head = params
@@ -147,17 +152,18 @@ def reference_target(
     params: reference.TargetParams,
     head: LMHeadParams,
     *,
-    implementation: str = "auto",
+    implementation: Implementation | str = Implementation.AUTO,
 ) -> TargetModel:
     """The reference Qwen3-style target (``mtpjax.reference``) as a ``TargetModel``; its params
     are ``(params, head)`` (the head supplies the embedding)."""
     if not isinstance(cfg, reference.TargetConfig):
         raise TypeError(f"cfg must be a reference.TargetConfig, got {type(cfg).__name__}")
+    implementation = Implementation.parse(implementation)
     return TargetModel(
         params=(params, head),
         init_cache=_ReferenceInitCache(cfg=cfg),
-        prefill=_ReferencePrefill(cfg=cfg, implementation=str(implementation)),
-        step=_ReferenceStep(cfg=cfg, implementation=str(implementation)),
+        prefill=_ReferencePrefill(cfg=cfg, implementation=implementation),
+        step=_ReferenceStep(cfg=cfg, implementation=implementation),
     )
 
 
@@ -213,27 +219,44 @@ def _check_static_int(name: str, value: Any, minimum: int) -> int:
     return value
 
 
-def _check_temperature(temperature: Any, key: jax.Array | None) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a Python float (0.0 = greedy), got {temperature!r}")
-    temperature = float(temperature)
-    if not temperature >= 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-    if temperature > 0 and key is None:
-        raise ValueError(f"temperature={temperature} samples: pass a PRNG key (key=...)")
-    return temperature
-
-
-def _check_prompts(prompts: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
-    prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+def _check_prompts(prompts: Any, lengths: Any, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Shapes always; on concrete inputs also each length in [1, T] and each prompt id (before
+    its sequence's length) in [0, vocab), naming the first offender. Traced inputs are clamped
+    into range inside the jit instead (`_prompt_rows`)."""
+    prompts, lengths = (
+        x if isinstance(x, jax.Array) else np.asarray(x) for x in (prompts, lengths)
+    )
     if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
         raise ValueError(f"prompts must be int[B, T], got {prompts.dtype}{list(prompts.shape)}")
-    if lengths.shape != prompts.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    B, T = prompts.shape
+    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         raise ValueError(
-            f"lengths must be int[B] = int[{prompts.shape[0]}] (prompt lengths, 1..T), got "
+            f"lengths must be int[B] = int[{B}] (prompt lengths, 1..T), got "
             f"{lengths.dtype}{list(lengths.shape)}"
         )
-    return prompts.astype(jnp.int32), lengths.astype(jnp.int32)
+    if not isinstance(prompts, jax.core.Tracer) and not isinstance(lengths, jax.core.Tracer):
+        ids, n = np.asarray(prompts), np.asarray(lengths)
+        bad = np.flatnonzero((n < 1) | (n > T))
+        if bad.size:
+            b = bad[0]
+            raise ValueError(f"lengths[{b}]={n[b]}: expected a prompt length in [1, {T}]")
+        bad = np.argwhere((np.arange(T)[None, :] < n[:, None]) & ((ids < 0) | (ids >= vocab)))
+        if bad.size:
+            b, t = bad[0]
+            raise ValueError(
+                f"prompts[{b}, {t}]={ids[b, t]} (sequence {b}, length {n[b]}): expected a token "
+                f"id in [0, {vocab})"
+            )
+    return jnp.asarray(prompts, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def _prompt_rows(prompts: jax.Array, lengths: jax.Array, vocab: int):
+    """Traced prompts into range: lengths clamped to [1, T], ids to [0, V), and the padding
+    after each length set to 0 (it is never attended to, so valid rows do not change)."""
+    T = prompts.shape[1]
+    lengths = jnp.clip(lengths, 1, T)
+    in_prompt = jnp.arange(T, dtype=jnp.int32)[None, :] < lengths[:, None]
+    return jnp.where(in_prompt, jnp.clip(prompts, 0, vocab - 1), 0), lengths
 
 
 def _check_target(target: Any) -> None:
@@ -265,11 +288,15 @@ def _check_eos(eos_id: Any, vocab: int) -> int | None:
 # Pieces of both loops.
 
 
-def _pick(logits: jax.Array, temperature: float, key: jax.Array | None) -> jax.Array:
-    """Next token from logits [B, V]: argmax (greedy) or a sample at ``temperature``."""
-    if temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, logits.astype(jnp.float32) / temperature).astype(jnp.int32)
+def _pick(logits: jax.Array, temperature: jax.Array, key: jax.Array | None) -> jax.Array:
+    """Next token from logits [B, V]: argmax without a key (greedy), else a sample at
+    ``temperature`` (traced f32[]; the argmax where it is 0)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if key is None:
+        return greedy
+    sampling = temperature > 0
+    scaled = logits.astype(jnp.float32) / jnp.where(sampling, temperature, 1.0)
+    return jnp.where(sampling, jax.random.categorical(key, scaled).astype(jnp.int32), greedy)
 
 
 def _split(key: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
@@ -392,7 +419,6 @@ class _SpecLoop:
         "head_cfg",
         "max_new_tokens",
         "num_drafts",
-        "temperature",
         "eos_id",
         "hidden_contract",
         "refeed",
@@ -406,18 +432,19 @@ def _generate(
     drafter_head: LMHeadParams,
     prompts: jax.Array,
     lengths: jax.Array,
+    temperature: jax.Array,
     key: jax.Array | None,
     *,
     drafter_cfg: DrafterConfig,
     head_cfg: LMHeadConfig,
     max_new_tokens: int,
     num_drafts: int,
-    temperature: float,
     eos_id: int | None,
     hidden_contract: HiddenContract,
     refeed: bool,
     implementation: str,
 ) -> GenerateOutput:
+    prompts, lengths = _prompt_rows(prompts, lengths, head_cfg.vocab_size)
     B, T = prompts.shape
     K, N = num_drafts, max_new_tokens
     W = K + 1
@@ -494,12 +521,12 @@ def _generate(
         verify_hidden, cache = target.step(target.params, c.cache, window, c.position)
         chex.assert_shape(verify_hidden, (B, W, H))
         key, sub = _split(c.key)
-        result, state, metrics = verify(
+        result, state = verify(
             head,
             state,
             verify_hidden,
             drafts,
-            head_cfg=head_cfg,
+            cfg=head_cfg,
             temperature=temperature,
             key=sub,
             refeed=refeed,
@@ -516,7 +543,7 @@ def _generate(
             position=c.position + count,
             last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
             out=_commit(c.out, new, count, eos_id),
-            metrics=metrics,
+            metrics=result.metrics,
             key=key,
             steps=c.steps + 1,
             active_steps=c.active_steps + active.astype(jnp.int32),
@@ -533,6 +560,7 @@ def _generate(
     )
 
 
+@configs_by_name
 def generate(
     target: TargetModel,
     drafter: DrafterParams,
@@ -545,12 +573,12 @@ def generate(
     max_new_tokens: int,
     num_drafts: int,
     drafter_head: LMHeadParams | None = None,
-    temperature: float = 0.0,
+    temperature: float | jax.Array = 0.0,
     key: jax.Array | None = None,
     eos_id: int | None = None,
     hidden_contract: HiddenContract | str = HiddenContract.POST_NORM,
     refeed: bool = False,
-    implementation: str = "auto",
+    implementation: Implementation | str = Implementation.AUTO,
 ) -> GenerateOutput:
     """Speculative generation of ``max_new_tokens`` tokens per prompt; one jit.
 
@@ -560,18 +588,21 @@ def generate(
         fc/k_proj/v_proj are BF16 take the drafter prefill; others write the prompt's rows
         through ``propose``). Its KV pool follows ``drafter.pool_config``'s rule.
       head: the target's embedding / LM head: the verify rows and the first token.
-      prompts: int32[B, T] right-padded prompts; lengths: int32[B] their lengths (1..T).
+      prompts: int[B, T] right-padded prompts, ids in [0, V) before each length (the padding is
+        ignored); lengths: int[B] their lengths in [1, T]. Concrete values out of range are a
+        ValueError naming the sequence; traced ones are clamped into range.
       drafter_cfg: static drafter config. head_cfg: static config of the target's LM head.
       max_new_tokens: static N >= 1. num_drafts: static K >= 1, drafts per round.
       drafter_head: the head the drafter reads (embedding + draft LM head), e.g. a quantised
         copy from a converted checkpoint; default ``head``.
-      temperature: static; 0.0 is greedy (token for token the same as greedy decoding with the
-        target alone), > 0 lossless rejection sampling with ``key``.
+      temperature: a real scalar, traced (one program for every value > 0); 0.0 is greedy
+        (token for token the same as greedy decoding with the target alone), > 0 lossless
+        rejection sampling with ``key``.
       key: PRNG key, required when temperature > 0.
       eos_id: static; a sequence stops after emitting it (it is kept in the output).
       hidden_contract: static ``HiddenContract`` (or its value) for draft steps 1..K-1.
       refeed: static; rebuild accepted chain rows from the target's hidden after each verify.
-      implementation: "auto" | "xla" | "pallas" for the drafter and the LM head.
+      implementation: ``Implementation`` (or its name, any case) of the drafter and the head.
 
     Returns:
       ``GenerateOutput``: tokens [B, N], lengths [B], metrics over K positions, target_steps
@@ -582,8 +613,8 @@ def generate(
         raise TypeError(
             f"drafter must be DrafterParams (one MTP module), got {type(drafter).__name__}"
         )
-    prompts, lengths = _check_prompts(prompts, lengths)
-    temperature = _check_temperature(temperature, key)
+    prompts, lengths = _check_prompts(prompts, lengths, head_cfg.vocab_size)
+    temperature, key = check_temperature(temperature, key)
     contract = _parse_contract(hidden_contract)
     if not isinstance(refeed, bool):
         raise TypeError(f"refeed must be a Python bool, got {refeed!r}")
@@ -594,16 +625,16 @@ def generate(
         head if drafter_head is None else drafter_head,
         prompts,
         lengths,
-        key if temperature > 0 else None,
+        temperature,
+        key,
         drafter_cfg=drafter_cfg,
         head_cfg=head_cfg,
         max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
         num_drafts=_check_static_int("num_drafts", num_drafts, 1),
-        temperature=temperature,
         eos_id=_check_eos(eos_id, head_cfg.vocab_size),
         hidden_contract=contract,
         refeed=refeed,
-        implementation=str(implementation),
+        implementation=Implementation.parse(implementation).value,
     )
 
 
@@ -629,29 +660,23 @@ class _PlainLoop:
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "head_cfg",
-        "max_new_tokens",
-        "step_width",
-        "temperature",
-        "eos_id",
-        "implementation",
-    ),
+    static_argnames=("head_cfg", "max_new_tokens", "step_width", "eos_id", "implementation"),
 )
 def _generate_baseline(
     target: TargetModel,
     head: LMHeadParams,
     prompts: jax.Array,
     lengths: jax.Array,
+    temperature: jax.Array,
     key: jax.Array | None,
     *,
     head_cfg: LMHeadConfig,
     max_new_tokens: int,
     step_width: int,
-    temperature: float,
     eos_id: int | None,
     implementation: str,
 ) -> GenerateOutput:
+    prompts, lengths = _prompt_rows(prompts, lengths, head_cfg.vocab_size)
     B, T = prompts.shape
     N, W = max_new_tokens, step_width
     key, first_key = _split(key)
@@ -706,6 +731,7 @@ def _generate_baseline(
     )
 
 
+@configs_by_name
 def generate_baseline(
     target: TargetModel,
     head: LMHeadParams,
@@ -715,10 +741,10 @@ def generate_baseline(
     head_cfg: LMHeadConfig,
     max_new_tokens: int,
     step_width: int = 1,
-    temperature: float = 0.0,
+    temperature: float | jax.Array = 0.0,
     key: jax.Array | None = None,
     eos_id: int | None = None,
-    implementation: str = "auto",
+    implementation: Implementation | str = Implementation.AUTO,
 ) -> GenerateOutput:
     """Plain decoding with the target alone: one token per target forward; one jit.
 
@@ -734,18 +760,18 @@ def generate_baseline(
       ``GenerateOutput`` with ``metrics=None``; ``target_steps`` = N - 1 without eos.
     """
     _check_target(target)
-    prompts, lengths = _check_prompts(prompts, lengths)
-    temperature = _check_temperature(temperature, key)
+    prompts, lengths = _check_prompts(prompts, lengths, head_cfg.vocab_size)
+    temperature, key = check_temperature(temperature, key)
     return _generate_baseline(
         target,
         head,
         prompts,
         lengths,
-        key if temperature > 0 else None,
+        temperature,
+        key,
         head_cfg=head_cfg,
         max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
         step_width=_check_static_int("step_width", step_width, 1),
-        temperature=temperature,
         eos_id=_check_eos(eos_id, head_cfg.vocab_size),
-        implementation=str(implementation),
+        implementation=Implementation.parse(implementation).value,
     )

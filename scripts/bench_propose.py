@@ -1260,9 +1260,7 @@ def propose_fn(cfg, k: int, impl: str):
 def verify_fn(head_cfg, impl: str):
     """``verify`` (greedy, ``refeed=True``) with its static arguments bound; state donated."""
     return jax.jit(
-        lambda h, s, th, d: verify(
-            h, s, th, d, head_cfg=head_cfg, refeed=True, implementation=impl
-        ),
+        lambda h, s, th, d: verify(h, s, th, d, cfg=head_cfg, refeed=True, implementation=impl),
         donate_argnums=(1,),
     )
 
@@ -1316,7 +1314,7 @@ def time_rounds(
         _sync((out, state))
         t1 = time.perf_counter()
         if verify_c is not None:
-            vout, state, _ = verify_c(head, state, target_hidden, out)
+            vout, state = verify_c(head, state, target_hidden, out)
             _sync((vout, state))
         t2 = time.perf_counter()
         if i >= warmup:

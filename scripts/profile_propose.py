@@ -111,7 +111,7 @@ def profile_point(point, *, context: int, calls: int, top: int, smoke: bool = Fa
         # A propose alone keeps its K - 1 chain rows; the next propose drops them itself.
         out, holder[0] = propose(params, lm, holder[0], pairs)
         if what == "round":
-            out, holder[0], _ = verify(lm, holder[0], hidden, out)
+            out, holder[0] = verify(lm, holder[0], hidden, out)
         return out, holder[0]
 
     for _ in range(3):

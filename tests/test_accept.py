@@ -15,8 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trace_helpers import count_calls
 
-from mtpjax.verify import PLACEHOLDER_TOKEN_ID, AcceptResult, accept
+from mtpjax.verify import accept as accept_lib
+from mtpjax.verify.accept import PLACEHOLDER_TOKEN_ID, AcceptResult, accept
 
 # N independent sequences in one batch (one jit call) per round. A test fails when a chi-square
 # p-value falls below P_FLOOR. Inputs and keys are seeded, so a passing test keeps passing;
@@ -472,5 +474,59 @@ def test_validation_errors():
         accept(drafts.astype(np.float32), None, logits, temperature=0.0)
     with pytest.raises(ValueError, match="num_valid"):
         accept(drafts, None, logits, temperature=0.0, num_valid=np.zeros(3, np.int32))
-    with pytest.raises(TypeError, match="static Python float"):
+    with pytest.raises(TypeError, match="temperature must be a real scalar"):
         accept(drafts, None, logits, temperature="hot")
+    for bad in (True, np.ones(2, np.float32), jnp.asarray(1, bool)):
+        with pytest.raises(TypeError, match="temperature must be a real scalar"):
+            accept(drafts, None, logits, temperature=bad, key=key)
+    with pytest.raises(ValueError, match="finite"):
+        accept(drafts, None, logits, temperature=np.float32("inf"), key=key)
+
+
+# --------------------------------------------------------------------------------------------
+# Temperature spellings: a traced value, one program for every temperature > 0.
+
+
+def _spelling_inputs(seed=11, batch=5, k=3):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((batch, k + 1, V)).astype(np.float32)
+    drafts = rng.integers(0, V, size=(batch, k)).astype(np.int32)
+    return drafts, logits, np.full(batch, k, np.int32)
+
+
+def test_every_spelling_of_a_temperature_shares_one_program(monkeypatch):
+    drafts, logits, num_valid = _spelling_inputs()
+    sampling = count_calls(monkeypatch, accept_lib, "_rejection_sample")
+    greedy = count_calls(monkeypatch, accept_lib, "_greedy")
+    accept_lib._accept.clear_cache()
+    key = _key(3)
+    runs = [
+        accept(drafts, None, logits, temperature=t, key=key, num_valid=num_valid)
+        for t in (T, np.float32(T), jnp.float32(T), np.float64(T), 1.5, 2)
+    ]
+    assert len(sampling) == 1
+    for run in runs[1:4]:
+        np.testing.assert_array_equal(run.output_tokens, runs[0].output_tokens)
+    assert len(greedy) == 1  # the greedy branch of the one sampling program
+    for t in (0.0, 0, np.float32(0), jnp.float32(0)):
+        accept(drafts, None, logits, temperature=t, key=key, num_valid=num_valid)
+        accept(drafts, None, logits, temperature=t, num_valid=num_valid)
+    assert len(greedy) == 2 and len(sampling) == 1  # greedy: its own program, keys ignored
+
+
+def test_a_traced_temperature_samples_or_is_greedy_at_zero():
+    drafts, logits, num_valid = _spelling_inputs(seed=12)
+    key = _key(4)
+
+    @jax.jit
+    def run(t, key):
+        return accept(drafts, None, logits, temperature=t, key=key, num_valid=num_valid)
+
+    np.testing.assert_array_equal(
+        run(jnp.float32(T), key).output_tokens,
+        accept(drafts, None, logits, temperature=T, key=key, num_valid=num_valid).output_tokens,
+    )
+    np.testing.assert_array_equal(
+        run(jnp.float32(0), key).output_tokens,
+        accept(drafts, None, logits, temperature=0.0, num_valid=num_valid).output_tokens,
+    )

@@ -776,6 +776,14 @@ def test_keyword_only():
         LMHeadConfig(8, 4)
 
 
+@pytest.mark.parametrize("cls", [DrafterConfig, LMHeadConfig, MoeConfig, MlaConfig])
+def test_a_positional_field_says_keyword_only(cls):
+    with pytest.raises(TypeError, match=rf"^{cls.__name__} takes keyword arguments only; got 2 "):
+        cls(8, 4)
+    with pytest.raises(TypeError, match="got 1 positional"):
+        cls(8, hidden_size=4)
+
+
 def test_jit_traces_once_per_distinct_config():
     traces = []
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
@@ -16,6 +17,7 @@ from mtpjax import generation as gen
 from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.drafter import supports_prefill
 from mtpjax.weights import WeightFormat
+from pallas_kernels.implementation import Implementation
 
 ASSETS = demo.ASSET_DIR
 T = 40  # padded prompt width
@@ -318,3 +320,107 @@ def test_clear_errors(pair, target, prompts):
             hidden_contract="sideways",
             **kw,
         )
+
+
+def test_prompts_and_lengths_out_of_range_name_the_sequence(pair, target, prompts):
+    p, lengths = np.array(prompts[0][:4]), np.array(prompts[1][:4])
+    V, width = pair["tcfg"].vocab_size, p.shape[1]
+    head_cfg = pair["tcfg"].lm_head_config()
+    spec = dict(drafter_cfg=pair["dcfg"], max_new_tokens=4, num_drafts=1)
+    for bad, message in [
+        (0, rf"lengths\[2\]=0: expected a prompt length in \[1, {width}\]"),
+        (-3, rf"lengths\[2\]=-3: expected a prompt length in \[1, {width}\]"),
+        (width + 1, rf"lengths\[2\]={width + 1}: expected a prompt length in \[1, {width}\]"),
+    ]:
+        for run in (
+            lambda n: gen.generate(
+                target, pair["drafter"], pair["head"], p, n, head_cfg=head_cfg, **spec
+            ),
+            lambda n: gen.generate_baseline(
+                target, pair["head"], p, n, head_cfg=head_cfg, max_new_tokens=4
+            ),
+        ):
+            with pytest.raises(ValueError, match=message):
+                run(np.where(np.arange(4) == 2, bad, lengths))
+    for bad in (-1, V):
+        ids = p.copy()
+        ids[1, lengths[1] - 1] = bad
+        message = (
+            rf"prompts\[1, {lengths[1] - 1}\]={bad} \(sequence 1, length {lengths[1]}\): "
+            rf"expected a token id in \[0, {V}\)"
+        )
+        with pytest.raises(ValueError, match=message):
+            gen.generate_baseline(
+                target, pair["head"], ids, lengths, head_cfg=head_cfg, max_new_tokens=4
+            )
+
+
+def test_traced_prompts_are_clamped_into_range():
+    prompts = np.array([[5, -2, 9, 300], [7, 8, 1, 2]], np.int32)
+    ids, lengths = gen._prompt_rows(jnp.asarray(prompts), jnp.asarray([3, 0], jnp.int32), 256)
+    np.testing.assert_array_equal(lengths, [3, 1])
+    np.testing.assert_array_equal(ids, [[5, 0, 9, 0], [7, 0, 0, 0]])
+
+
+def test_configs_and_implementation_errors(pair, target, prompts):
+    dcfg, head_cfg = pair["dcfg"], pair["tcfg"].lm_head_config()
+    with pytest.raises(TypeError, match="drafter_cfg and head_cfg must be passed by name"):
+        gen.generate(target, pair["drafter"], pair["head"], *prompts, dcfg)
+    with pytest.raises(TypeError, match="head_cfg must be passed by name"):
+        gen.generate_baseline(target, pair["head"], *prompts, head_cfg)
+    with pytest.raises(ValueError, match="unknown implementation 'gpu'; expected one of"):
+        gen.generate_baseline(
+            target,
+            pair["head"],
+            *prompts,
+            head_cfg=head_cfg,
+            max_new_tokens=4,
+            implementation="gpu",
+        )
+    with pytest.raises(ValueError, match="unknown implementation 'gpu'; expected one of"):
+        gen.reference_target(pair["tcfg"], pair["target"], pair["head"], implementation="gpu")
+
+
+def test_every_spelling_of_an_argument_shares_one_program(pair, target, prompts):
+    """``implementation`` by enum or name in any case, the default ``refeed`` given or not,
+    and any spelling of a temperature: one program for greedy, one for sampling (the
+    temperature is traced), for ``generate`` and ``generate_baseline`` alike."""
+    p, lengths = prompts[0][:3], prompts[1][:3]  # a batch of 3: shapes no other test compiles
+    head_cfg = pair["tcfg"].lm_head_config()
+    greedy = [
+        {},
+        dict(implementation="AUTO"),
+        dict(implementation=Implementation.AUTO),
+        dict(temperature=0.0, key=jax.random.key(0)),
+        dict(temperature=np.float32(0)),
+    ]
+    key = jax.random.key(1)
+    sampling = [dict(temperature=t, key=key) for t in (0.8, np.float32(0.8), jnp.float32(0.8), 1.2)]
+    runs = {
+        "spec": lambda **kw: gen.generate(
+            target,
+            pair["drafter"],
+            pair["head"],
+            p,
+            lengths,
+            drafter_cfg=pair["dcfg"],
+            head_cfg=head_cfg,
+            max_new_tokens=3,
+            num_drafts=2,
+            **kw,
+        ),
+        "base": lambda **kw: gen.generate_baseline(
+            target, pair["head"], p, lengths, head_cfg=head_cfg, max_new_tokens=3, **kw
+        ),
+    }
+    for name, run in runs.items():
+        before = target.prefill.calls
+        spellings = greedy + ([dict(refeed=False)] if name == "spec" else [])
+        outs = [jax.device_get(run(**kw)) for kw in spellings]
+        assert target.prefill.calls - before == 1, name
+        for out in outs[1:]:
+            np.testing.assert_array_equal(out.tokens, outs[0].tokens)
+        outs = [jax.device_get(run(**kw)) for kw in sampling]
+        assert target.prefill.calls - before == 2, name
+        for out in outs[1:3]:
+            np.testing.assert_array_equal(out.tokens, outs[0].tokens)

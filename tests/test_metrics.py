@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from mtpjax.verify import SpecDecodeMetrics, accept, metrics
+from mtpjax.verify import SpecDecodeMetrics, metrics
+from mtpjax.verify.accept import accept
 
 K = 4
 B = 8

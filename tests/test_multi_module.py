@@ -543,7 +543,7 @@ def test_public_steps_trace_once():
 def test_the_verify_step_trims_a_multi_module_state():
     """mtpjax.verify.verify takes the multi-module state as it is and trims it like
     after_verify_multi for the drafts it accepted."""
-    from mtpjax.verify.step import verify
+    from mtpjax.verify import verify
 
     cfg, params, head, _, _, state, window = _drafted_three_module_state()
     drafts, state = _propose(params, head, state, window, cfg)
@@ -554,7 +554,7 @@ def test_the_verify_step_trims_a_multi_module_state():
     target_hidden = rng.standard_normal((B, K3 + 1, H)).astype(np.float32)
     weight = np.asarray(jax.jit(lambda w: w.w.astype(jnp.float32))(head.weight))
     target_hidden[0, 0] = 50.0 * weight[int(drafts.tokens[0, 0])]
-    out, state, _ = verify(head, state, target_hidden, drafts, head_cfg=cfg.lm_head_config())
+    out, state = verify(head, state, target_hidden, drafts, cfg=cfg.lm_head_config())
     accepted = np.asarray(out.num_accepted)
     assert accepted[0] >= 1
     _, want = _verify(reference, accepted)
@@ -586,12 +586,12 @@ def test_single_head_entry_points_serve_multi_module_drafters():
     assert out.tokens.shape == (B, 3)  # clamped to the module count
 
     target_hidden = jnp.asarray(rng.standard_normal((B, 4, H)), jnp.float32)
-    _, s2, m = verify(head, clone(s1), target_hidden, out, head_cfg=cfg.lm_head_config())
+    verified, s2 = verify(head, clone(s1), target_hidden, out, cfg=cfg.lm_head_config())
     accepted = _accepted_by_verify(head, target_hidden, out, cfg)
     _, s2_ref = drafter.after_verify(clone(s1), accepted)
     for a, b in zip(jax.tree.leaves(s2), jax.tree.leaves(s2_ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert int(m.num_drafts) == B
+    assert int(verified.metrics.num_drafts) == B
 
     freed = drafter.free(s2, jnp.asarray([True, False]))
     assert int(np.asarray(freed.seq_len)[:, 0].sum()) == 0
@@ -599,8 +599,8 @@ def test_single_head_entry_points_serve_multi_module_drafters():
 
 
 def _accepted_by_verify(head, target_hidden, drafts, cfg):
+    from mtpjax import accept
     from mtpjax.head import lm_head
-    from mtpjax.verify import accept
 
     logits = lm_head(head, target_hidden, cfg=cfg.lm_head_config())
     return accept(

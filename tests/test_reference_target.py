@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trace_helpers import count_calls
 
 from mtpjax import drafter as drafter_lib
 from mtpjax.config import DrafterConfig, FfnKind
@@ -28,6 +29,8 @@ from mtpjax.reference import (
     target_prefill,
     target_step,
 )
+from mtpjax.reference import target as target_lib
+from pallas_kernels.implementation import Implementation
 
 CFG = TargetConfig(
     hidden_size=64,
@@ -183,23 +186,45 @@ def test_per_sequence_rollback(model):
         np.testing.assert_allclose(h[b], full[b, s : s + 4], **TOL)
 
 
-def test_step_traces_once_for_new_values(model):
+def test_step_traces_once_for_new_values_and_spellings(model, monkeypatch):
+    """New start values, and ``implementation`` by enum or name in any case, share one trace
+    of each step (``_layer`` runs once per trace: it is the scan body)."""
     target, head = model
-    step = jax.jit(
-        chex.assert_max_traces(target_step.__wrapped__, n=1),
-        static_argnames=("cfg", "implementation"),
-    )
+    traces = count_calls(monkeypatch, target_lib, "_layer")
+    target_lib._target_step.clear_cache()
     cache = init_cache(CFG, batch=B, max_len=MAX_LEN)
+    spellings = [{}, dict(implementation="AUTO"), dict(implementation=Implementation.AUTO)]
     for i, start in enumerate([[0, 0], [3, 5], [9, 1]]):
-        _, cache = step(
+        _, cache = target_step(
             target,
             head,
             cache,
             _tokens((B, 4), seed=20 + i),
             jnp.asarray(start, jnp.int32),
             cfg=CFG,
+            **spellings[i],
         )
-    chex.clear_trace_counter()
+    assert len(traces) == 1
+    target_lib._target_forward.clear_cache()
+    for spelling in spellings:
+        target_forward(target, head, _tokens((B, 3)), cfg=CFG, **spelling)
+    assert len(traces) == 2
+
+
+def test_steps_name_a_positional_config_and_an_unknown_implementation(model):
+    target, head = model
+    cache = init_cache(CFG, batch=B, max_len=MAX_LEN)
+    tokens, lengths = _tokens((B, P)), jnp.full((B,), P, jnp.int32)
+    with pytest.raises(TypeError, match="cfg must be passed by name"):
+        target_forward(target, head, tokens, CFG)
+    with pytest.raises(TypeError, match="cfg must be passed by name"):
+        target_prefill(target, head, cache, tokens, lengths, CFG)
+    with pytest.raises(TypeError, match="cfg must be passed by name"):
+        target_step(target, head, cache, tokens, lengths, CFG)
+    with pytest.raises(ValueError, match="unknown implementation 'cuda'; expected one of"):
+        target_forward(target, head, tokens, cfg=CFG, implementation="cuda")
+    with pytest.raises(TypeError, match="TargetConfig takes keyword arguments only; got 2"):
+        TargetConfig(64, 2)
 
 
 def test_bf16_compute_tracks_f32(model):

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mtpjax.config import DrafterConfig, LMHeadConfig, load_hf_config
+from mtpjax.config import DrafterConfig, KeywordOnly, LMHeadConfig, configs_by_name, load_hf_config
 from mtpjax.head import LMHeadParams, embed
 from mtpjax.layers import (
     AttentionParams,
@@ -44,6 +44,7 @@ from mtpjax.layers import (
 )
 from mtpjax.layers.decoder import DecoderLayerParams
 from mtpjax.weights import Bf16Weight, linear
+from pallas_kernels.implementation import Implementation
 
 __all__ = [
     "TargetCache",
@@ -79,7 +80,7 @@ def _check_float(key: str, value: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TargetConfig:
+class TargetConfig(KeywordOnly):
     """Static description of the reference target; a static jit argument (``cfg=``).
 
     Attribute names match what ``mtpjax.layers`` reads from a config. ``compute_dtype`` is the
@@ -436,7 +437,7 @@ def _causal(positions: jax.Array):
     return lambda k, v: (k, v, mask)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+@configs_by_name
 def target_forward(
     params: TargetParams,
     head: LMHeadParams,
@@ -444,12 +445,19 @@ def target_forward(
     *,
     cfg: TargetConfig,
     positions: jax.Array | None = None,
-    implementation: str = "auto",
+    implementation: Implementation | str = Implementation.AUTO,
 ) -> jax.Array:
     """Full causal forward (training, oracles). tokens: int32[B, T] -> post-norm f32[B, T, H].
 
-    ``positions`` (int32[B, T], default ``arange(T)``) also define the causal mask.
+    ``positions`` (int32[B, T], default ``arange(T)``) also define the causal mask. One jit;
+    ``implementation`` (an ``Implementation`` or its name, any case) is parsed before it.
     """
+    impl = Implementation.parse(implementation).value
+    return _target_forward(params, head, tokens, positions, cfg=cfg, implementation=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"))
+def _target_forward(params, head, tokens, positions, *, cfg, implementation):
     _check_tokens(tokens)
     B, T = tokens.shape
     if positions is None:
@@ -465,7 +473,7 @@ def target_forward(
     return _norm(x, params.final_norm, cfg)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("cache",))
+@configs_by_name
 def target_prefill(
     params: TargetParams,
     head: LMHeadParams,
@@ -474,14 +482,21 @@ def target_prefill(
     lengths: jax.Array,
     *,
     cfg: TargetConfig,
-    implementation: str = "auto",
+    implementation: Implementation | str = Implementation.AUTO,
 ) -> tuple[jax.Array, TargetCache]:
     """Runs each prompt from position 0 and writes its KV rows 0..T-1. Donates ``cache``.
 
     tokens: int32[B, T] (right-padded); lengths: int32[B] prompt lengths (1..T).
     Returns (hidden f32[B, T, H] post-final-norm, zero at padded positions >= lengths, cache).
     Padded rows written to the cache are overwritten by the first step at ``start = lengths``.
+    One jit, as ``target_forward``.
     """
+    impl = Implementation.parse(implementation).value
+    return _target_prefill(params, head, cache, tokens, lengths, cfg=cfg, implementation=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("cache",))
+def _target_prefill(params, head, cache, tokens, lengths, *, cfg, implementation):
     _check_tokens(tokens)
     B, T = tokens.shape
     if cache.max_len < T:
@@ -505,7 +520,7 @@ def target_prefill(
     return jnp.where(valid[..., None], hidden, 0.0), TargetCache(k=k_new, v=v_new)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("cache",))
+@configs_by_name
 def target_step(
     params: TargetParams,
     head: LMHeadParams,
@@ -514,7 +529,7 @@ def target_step(
     start: jax.Array,
     *,
     cfg: TargetConfig,
-    implementation: str = "auto",
+    implementation: Implementation | str = Implementation.AUTO,
 ) -> tuple[jax.Array, TargetCache]:
     """Runs S new tokens per sequence at positions ``start[b] .. start[b] + S - 1``.
 
@@ -522,8 +537,15 @@ def target_step(
     valid for each sequence (its committed length). Writes the S rows' K/V, then each query
     attends to cache rows at positions <= its own. Rows at positions >= max_len are dropped
     (keep ``start + S <= max_len``). Returns (hidden f32[B, S, H] post-final-norm, cache).
-    Donates ``cache``; ``start`` is an array, so new values never retrace.
+    Donates ``cache``; ``start`` is an array, so new values never retrace. One jit, as
+    ``target_forward``.
     """
+    impl = Implementation.parse(implementation).value
+    return _target_step(params, head, cache, tokens, start, cfg=cfg, implementation=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("cache",))
+def _target_step(params, head, cache, tokens, start, *, cfg, implementation):
     _check_tokens(tokens)
     B, S = tokens.shape
     if cache.batch != B:

@@ -24,8 +24,9 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "AcceptResult", "accept"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "AcceptResult", "accept", "check_temperature"]
 
 # Fill value for the unused tail of `AcceptResult.output_tokens` (vLLM uses the same id).
 PLACEHOLDER_TOKEN_ID = -1
@@ -53,13 +54,12 @@ class AcceptResult:
     num_output: jax.Array  # [B]
 
 
-@functools.partial(jax.jit, static_argnames=("temperature",))
 def accept(
     draft_tokens: jax.Array,
     draft_probs: jax.Array | None,
     target_logits: jax.Array,
     *,
-    temperature: float,
+    temperature: float | jax.Array,
     key: jax.Array | None = None,
     num_valid: jax.Array | None = None,
 ) -> AcceptResult:
@@ -88,7 +88,8 @@ def accept(
         does not rescale it. Ignored when greedy.
       target_logits: f[B, K+1, V] the target's logits for the K+1 verify rows, before
         temperature. Computed in float32 whatever the input dtype.
-      temperature: static Python float >= 0; 0 selects greedy verification.
+      temperature: a real scalar >= 0 (see `check_temperature`); 0 selects greedy
+        verification. A traced value: every temperature shares one compiled program.
       key: one PRNG key for the whole batch (rows draw independently), required when
         ``temperature > 0``, ignored when greedy.
       num_valid: int[B] drafts that count per sequence (the rest were cut, e.g. by a confidence
@@ -98,12 +99,53 @@ def accept(
       AcceptResult with ``num_accepted`` [B], ``output_tokens`` [B, K+1] padded with -1 after
       ``num_output`` [B] = ``num_accepted + 1`` tokens.
     """
+    temperature, key = check_temperature(temperature, key)
     draft_tokens, target_logits = jnp.asarray(draft_tokens), jnp.asarray(target_logits)
     draft_probs = None if draft_probs is None else jnp.asarray(draft_probs)
     num_valid = None if num_valid is None else jnp.asarray(num_valid)
-    batch, num_drafts, vocab = _check_inputs(
-        draft_tokens, draft_probs, target_logits, temperature, key, num_valid
+    _check_inputs(draft_tokens, draft_probs, target_logits, num_valid)
+    return _accept(draft_tokens, draft_probs, target_logits, num_valid, temperature, key)
+
+
+def check_temperature(
+    temperature: float | jax.Array, key: jax.Array | None
+) -> tuple[jax.Array, jax.Array | None]:
+    """-> (temperature as a float32 scalar, the key the rule needs: None for greedy).
+
+    A concrete temperature (a Python, NumPy or JAX real scalar) must be finite and >= 0, with a
+    key when > 0; at 0 the key is dropped, so greedy runs its own program and ignores any key.
+    A traced temperature cannot be checked: without a key the rule is greedy; with one it
+    samples, greedy where the temperature is 0.
+    """
+    if isinstance(temperature, jax.core.Tracer):
+        if temperature.shape != () or not jnp.issubdtype(temperature.dtype, jnp.floating):
+            raise TypeError(
+                f"temperature must be a float scalar, got {temperature.dtype}"
+                f"{list(temperature.shape)}"
+            )
+        return temperature.astype(jnp.float32), key
+    real = isinstance(temperature, (numbers.Real, np.ndarray, jax.Array)) and not isinstance(
+        temperature, (bool, np.bool_)
     )
+    if real:
+        dtype = np.asarray(temperature).dtype
+        real = np.ndim(temperature) == 0 and (
+            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+        )
+    if not real:
+        raise TypeError(f"temperature must be a real scalar (0.0 for greedy), got {temperature!r}")
+    value = float(temperature)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"temperature must be finite and >= 0, got {value}")
+    if value > 0 and key is None:
+        raise ValueError(f"key is required for rejection sampling (temperature={value})")
+    return np.float32(value), key if value > 0 else None
+
+
+@jax.jit
+def _accept(draft_tokens, draft_probs, target_logits, num_valid, temperature, key):
+    batch, num_drafts = draft_tokens.shape
+    vocab = target_logits.shape[2]
     draft_tokens = draft_tokens.astype(jnp.int32)
     if num_valid is None:
         num_valid = jnp.full((batch,), num_drafts, jnp.int32)
@@ -113,12 +155,19 @@ def accept(
     in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab)
     can_accept = in_vocab & (positions[None, :] < num_valid[:, None])  # [B, K]
     logits = target_logits.astype(jnp.float32)
-    if temperature == 0:
-        num_accepted, final_token = _greedy(draft_tokens, can_accept, logits)
-    else:
-        num_accepted, final_token = _rejection_sample(
+
+    def greedy():
+        return _greedy(draft_tokens, can_accept, logits)
+
+    def sample():
+        return _rejection_sample(
             draft_tokens, draft_probs, logits / temperature, can_accept, num_valid, key
         )
+
+    if key is None:
+        num_accepted, final_token = greedy()
+    else:
+        num_accepted, final_token = jax.lax.cond(temperature > 0, sample, greedy)
 
     slots = jnp.arange(num_drafts + 1, dtype=jnp.int32)[None, :]  # [1, K+1]
     n = num_accepted[:, None]
@@ -201,17 +250,8 @@ def _take_row(x: jax.Array, row: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index, axis=1)[:, 0]
 
 
-def _check_inputs(draft_tokens, draft_probs, target_logits, temperature, key, num_valid):
-    """Validates static shapes, dtypes and arguments; returns (B, K, V)."""
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(
-            f"temperature must be a static Python float (0.0 for greedy), got {temperature!r}"
-        )
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
-    if temperature > 0 and key is None:
-        raise ValueError(f"key is required for rejection sampling (temperature={temperature})")
-
+def _check_inputs(draft_tokens, draft_probs, target_logits, num_valid) -> None:
+    """Validates static shapes and dtypes."""
     if draft_tokens.ndim != 2 or not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
         raise ValueError(
             f"draft_tokens must be int[B, K], got {draft_tokens.dtype}{list(draft_tokens.shape)}"
@@ -244,4 +284,3 @@ def _check_inputs(draft_tokens, draft_probs, target_logits, temperature, key, nu
             f"num_valid must be int[B] = int[{batch}] or None, "
             f"got {num_valid.dtype}{list(num_valid.shape)}"
         )
-    return batch, num_drafts, vocab

@@ -1,0 +1,148 @@
+"""The verify step: target LM head over the verify rows, acceptance, drafter trimming.
+
+One call per speculative round. The target has already run its forward over each sequence's
+verify window `[t_n, d_1, ..., d_K]` and hands over the K+1 post-final-norm hidden states; this
+step projects them through the target's LM head (one batched call of B * (K+1) rows), accepts a
+prefix of the drafts, trims the drafter rows the next propose must rebuild, and accumulates
+vLLM-compatible metrics.
+
+Shapes: `[B]` sequences, `[K]` drafts per sequence, `[H]` hidden, `[V]` vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from mtpjax.config import LMHeadConfig, configs_by_name
+from mtpjax.drafter import ProposeOutput, after_verify
+from mtpjax.head import LMHeadParams, lm_head
+from mtpjax.verify import accept as accept_lib
+from mtpjax.verify import metrics as metrics_lib
+from pallas_kernels.implementation import Implementation
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["num_accepted", "output_tokens", "num_output", "metrics"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyOutput:
+    """Attributes:
+    num_accepted: int32[B] drafts accepted (0 for inactive sequences).
+    output_tokens: int32[B, K+1] tokens to commit: the accepted drafts then the target's token;
+      -1 from `num_output` on (and everywhere for inactive sequences).
+    num_output: int32[B] tokens to commit (`num_accepted + 1`; 0 for inactive sequences).
+    metrics: the running `SpecDecodeMetrics` with this round added (K positions).
+    """
+
+    num_accepted: jax.Array
+    output_tokens: jax.Array
+    num_output: jax.Array
+    metrics: metrics_lib.SpecDecodeMetrics
+
+
+@configs_by_name
+def verify(
+    head: LMHeadParams,
+    state,
+    target_hidden: jax.Array,
+    drafts: ProposeOutput,
+    *,
+    cfg: LMHeadConfig,
+    temperature: float | jax.Array = 0.0,
+    key: jax.Array | None = None,
+    refeed: bool | jax.Array = False,
+    metrics: metrics_lib.SpecDecodeMetrics | None = None,
+    active: jax.Array | None = None,
+    implementation: Implementation | str = Implementation.AUTO,
+) -> tuple[VerifyOutput, object]:
+    """Verifies one round of drafts; one jit (every temperature > 0 shares a program).
+
+    Args:
+      head: the target's LM head.
+      state: the drafter state after `propose`; donated: its KV pool is trimmed in place.
+      target_hidden: f32[B, K+1, H] the target's post-final-norm hidden over the verify window
+        `[t_n, d_1, ..., d_K]`; row i scores the token after `d_i` (row 0: after `t_n`).
+      drafts: the `ProposeOutput` of this round.
+      cfg: the target's LM-head config (full vocab: drafts are checked against the target's
+        own distribution).
+      temperature: 0.0 for greedy acceptance; > 0 for lossless rejection sampling (the drafts
+        are argmax drafts, so the draft distribution is one-hot at each draft). A real scalar,
+        traced (see `accept.check_temperature`).
+      key: PRNG key, required when temperature > 0.
+      refeed: bool or bool[B], traced; rebuild accepted chain rows from the target's hidden
+        (see `after_verify`).
+      metrics: running metrics to update; a fresh counter when None.
+      active: bool[B] sequences taking part. Default: the sequences `propose` ran, read from
+        the drafts: `propose` zeroes the `probs` and `hidden` of a sequence it did not run, while
+        a sequence it ran has a non-zero hidden and a top-1 probability >= 1/V' at every step
+        its grammar mask allows a token. So a sequence that ran with zero valid drafts still
+        gets the target's token. Pass `active` when the drafts are not `propose`'s own.
+      implementation: `Implementation` (or its name, any case) of the LM head.
+
+    Returns:
+      (VerifyOutput with the updated metrics, new drafter state).
+    """
+    temperature, key = accept_lib.check_temperature(temperature, key)
+    return _verify(
+        head,
+        state,
+        target_hidden,
+        drafts,
+        temperature,
+        key,
+        jnp.asarray(refeed, bool),
+        metrics,
+        active,
+        cfg=cfg,
+        # The canonical name: one static value per choice, and every layer below takes it.
+        implementation=Implementation.parse(implementation).value,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("state",))
+def _verify(
+    head,
+    state,
+    target_hidden,
+    drafts,
+    temperature,
+    key,
+    refeed,
+    metrics,
+    active,
+    *,
+    cfg,
+    implementation,
+):
+    B, K = drafts.tokens.shape
+    chex.assert_shape(target_hidden, (B, K + 1, cfg.hidden_size))
+    if active is None:
+        active = jnp.any(drafts.probs > 0, axis=1) | jnp.any(drafts.hidden != 0, axis=(1, 2))
+    num_valid = jnp.where(active, drafts.num_valid, 0)
+    logits = lm_head(
+        head, target_hidden.reshape(B * (K + 1), -1), cfg=cfg, implementation=implementation
+    )
+    logits = logits.reshape(B, K + 1, -1).astype(jnp.float32)
+    result = accept_lib.accept(
+        drafts.tokens, None, logits, temperature=temperature, key=key, num_valid=num_valid
+    )
+    num_accepted = jnp.where(active, result.num_accepted, 0)
+    # Inactive sequences proposed nothing this round (last_num_drafted is 0 for them), so the
+    # trim leaves them untouched.
+    _, state = after_verify(state, num_accepted, refeed=refeed)
+    if metrics is None:
+        metrics = metrics_lib.empty(K)
+    out = VerifyOutput(
+        num_accepted=num_accepted,
+        output_tokens=jnp.where(active[:, None], result.output_tokens, -1),
+        num_output=jnp.where(active, result.num_output, 0),
+        metrics=metrics_lib.update(metrics, num_accepted, num_valid),
+    )
+    return out, state
