@@ -13,6 +13,9 @@ Kernel families: ``gemv`` (Triton; 1..32 rows, the weight streamed once for all 
 """
 
 from pallas_kernels._common import gpu_available
+from pallas_kernels._paged_attention.api import paged_attention
+from pallas_kernels._paged_attention.reference import paged_attention_reference
+from pallas_kernels._paged_attention.triton import PagedAttentionConfig
 from pallas_kernels.argmax import ArgmaxConfig, argmax_logprob, argmax_logprob_reference
 from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from pallas_kernels.gemv import (
@@ -38,11 +41,6 @@ from pallas_kernels.gemv_mosaic import (
     prepare_fp8_block_mosaic,
     prepare_fp8_row_mosaic,
     prepare_nvfp4_mosaic,
-)
-from pallas_kernels.paged_attention import (
-    PagedAttentionConfig,
-    paged_attention,
-    paged_attention_reference,
 )
 from pallas_kernels.verify_gemm import (
     VerifyGemmConfig,

@@ -69,6 +69,11 @@ def gpu_available(min_compute_capability: tuple[int, int] = (9, 0)) -> bool:
     return (major, minor) >= tuple(min_compute_capability)
 
 
+def default_device():
+    """The device ops dispatch for: the first of JAX's default backend."""
+    return jax.devices()[0]
+
+
 def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
