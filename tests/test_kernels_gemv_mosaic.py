@@ -12,11 +12,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from kernel_helpers import E2M1, leaves, numpy_dequant, rel_err
+from kernel_helpers import INTERPRET, E2M1, leaves, numpy_dequant, rel_err, weight
 
 from pallas_kernels import _common as C
-from pallas_kernels import gemv as G
-from pallas_kernels import gemv_mosaic as GM
+from pallas_kernels import linear_reference
+from pallas_kernels._linear import mosaic_gpu as GM
+
+
+def _ref(fmt, x, *lv):
+    """The F32 reference (x widened to F32, HIGHEST precision)."""
+    return linear_reference(x.astype(jnp.float32), weight(fmt, *lv))
 
 
 def _run(m, n, k, cfg, *, seed=0, layout="checkpoint"):
@@ -52,12 +57,12 @@ def _run(m, n, k, cfg, *, seed=0, layout="checkpoint"):
 def test_matches_reference(m, n, k, cfg, layout):
     x, lv, out = _run(m, n, k, cfg, seed=m * 1000 + n, layout=layout)
     assert out.shape == (m, n) and out.dtype == jnp.float32
-    assert rel_err(out, G.nvfp4_gemv_reference(x, *lv)) < 2e-6
+    assert rel_err(out, _ref("nvfp4", x, *lv)) < 2e-6
     oracle = np.asarray(x, np.float64) @ numpy_dequant("nvfp4", *lv).T
     assert rel_err(out, oracle) < 2e-6
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_rows_are_independent_and_scaled_per_row(fmt):
     """Rows of very different magnitude (float16 row scaling) each match the reference."""
     rng = np.random.default_rng(7)
@@ -67,7 +72,7 @@ def test_rows_are_independent_and_scaled_per_row(fmt):
     kernel = GM.nvfp4_gemv_mosaic if fmt == "nvfp4" else GM.fp8_row_gemv_mosaic
     cfg = GM.MosaicGemvConfig(block_n=64, block_k=256, stages=2)
     out = kernel(x, *lv, config=cfg, interpret=True)
-    want = G.KERNELS[fmt][1](x, *lv)
+    want = _ref(fmt, x, *lv)
     for r in range(3):
         assert rel_err(out[r], want[r]) < 2e-6
     single = kernel(x[2:], *lv, config=cfg, interpret=True)
@@ -77,7 +82,7 @@ def test_rows_are_independent_and_scaled_per_row(fmt):
 @pytest.mark.parametrize("layout", GM.WEIGHT_LAYOUTS)
 def test_default_config_runs(layout):
     x, lv, out = _run(2, 256, 512, None, seed=3, layout=layout)
-    assert rel_err(out, G.nvfp4_gemv_reference(x, *lv)) < 2e-6
+    assert rel_err(out, _ref("nvfp4", x, *lv)) < 2e-6
 
 
 def test_tiled_layout_is_a_relabelling_of_relaid():
@@ -104,7 +109,7 @@ def _assert_matches(fmt, x, lv, out):
     mixing or reordering)."""
     m, n = x.shape[0], lv[0].shape[0]
     assert out.shape == (m, n) and out.dtype == jnp.float32
-    assert rel_err(out, G.KERNELS[fmt][1](x, *lv)) < 2e-6
+    assert rel_err(out, _ref(fmt, x, *lv)) < 2e-6
     oracle = np.asarray(x, np.float64) @ numpy_dequant(fmt, *lv).T
     assert rel_err(out, oracle) < 2e-6
     row_err = np.linalg.norm(np.asarray(out, np.float64) - oracle, axis=1)
@@ -133,9 +138,9 @@ def test_default_configs_keep_the_measured_small_m_tiles():
     for m in range(1, 9):
         assert GM.default_config(m, 248320, 5120) == _CFG(block_n=64, block_k=512, stages=2)
         want = _CFG(block_n=64, block_k=256, stages=2)
-        assert GM.default_config(m, 248320, 5120, fmt="fp8_row") == want
+        assert GM.default_config(m, 248320, 5120, fmt="fp8") == want
     for m in (9, 32, 96, 128):
-        for fmt in ("nvfp4", "fp8_row"):
+        for fmt in ("nvfp4", "fp8"):
             cfg = GM.default_config(m, 248320, 5120, fmt=fmt)
             assert cfg.block_n * C.round_up(m, 8) // 128 <= 128  # accumulator registers
     # FP8 block-128: 64-row CTAs (two accumulators); both FP8 formats take 128-wide K steps
@@ -144,7 +149,7 @@ def test_default_configs_keep_the_measured_small_m_tiles():
         cfg = GM.default_config(m, 248320, 5120, fmt="fp8_block")
         assert cfg == _CFG(block_n=64, block_k=256 if m <= 32 else 128, stages=2), m
         assert 2 * cfg.block_n * C.round_up(m, 8) // 128 <= 128  # both accumulators
-        row = GM.default_config(m, 248320, 5120, fmt="fp8_row")
+        row = GM.default_config(m, 248320, 5120, fmt="fp8")
         want = _CFG(block_n=64, block_k=256) if m <= 32 else _CFG(block_n=128, block_k=128)
         assert row == dataclasses.replace(want, stages=2), m
     with pytest.raises(ValueError, match="fp4"):
@@ -153,7 +158,7 @@ def test_default_configs_keep_the_measured_small_m_tiles():
 
 def _run_fp8(m, n, k, cfg, *, seed=0):
     rng = np.random.default_rng(seed)
-    q, scale = leaves("fp8_row", n, k, rng)
+    q, scale = leaves("fp8", n, k, rng)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     qp, sp = GM.prepare_fp8_row_mosaic(q, scale)
     out = GM.fp8_row_gemv_mosaic(x, qp, sp, n=n, config=cfg, interpret=True)
@@ -175,24 +180,24 @@ def _run_fp8(m, n, k, cfg, *, seed=0):
 )
 def test_fp8_row_matches_reference(m, n, k, cfg):
     x, lv, out = _run_fp8(m, n, k, cfg, seed=m * 100 + n)
-    _assert_matches("fp8_row", x, lv, out)
+    _assert_matches("fp8", x, lv, out)
 
 
 def test_decode_tile_fp8_is_exact_and_permuted():
     codes = _random_fp8_tile(np.random.default_rng(5), 8, 64)
     got = np.asarray(GM.decode_tile_fp8(jnp.asarray(codes)), np.float64)
     want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    perm = GM._k_permutation("fp8_row")
+    perm = GM._k_permutation("fp8")
     np.testing.assert_array_equal(got, want.reshape(8, -1, 16)[:, :, perm].reshape(8, -1))
     xs = jnp.arange(64, dtype=jnp.float32)[None]
     np.testing.assert_array_equal(
-        np.asarray(GM.permute_k(xs, "fp8_row"))[0], np.arange(64).reshape(-1, 16)[:, perm].ravel()
+        np.asarray(GM.permute_k(xs, "fp8"))[0], np.arange(64).reshape(-1, 16)[:, perm].ravel()
     )
 
 
 def test_fp8_rejects_unprepared_and_bad_shapes():
     rng = np.random.default_rng(0)
-    q, scale = leaves("fp8_row", 100, 200, rng)
+    q, scale = leaves("fp8", 100, 200, rng)
     x = jnp.zeros((1, 200), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"N=100, K=200.*prepare_fp8_row_mosaic"):
         GM.fp8_row_gemv_mosaic(x, q, scale, interpret=True)
@@ -339,7 +344,7 @@ def test_fp8_block_lowers_for_cuda_on_cpu(m, n, k, cfg):
 def _weights_for(fmt, n, k, rng, layout="checkpoint", cfg=None):
     """(reference leaves, kernel operands) for one random weight of ``fmt``."""
     lv = leaves(fmt, n, k, rng)
-    if fmt == "fp8_row":
+    if fmt == "fp8":
         return lv, GM.prepare_fp8_row_mosaic(*lv)
     if fmt == "fp8_block":
         return lv, GM.prepare_fp8_block_mosaic(*lv)
@@ -348,7 +353,7 @@ def _weights_for(fmt, n, k, rng, layout="checkpoint", cfg=None):
 
 
 def _call(fmt, x, w, *, n, cfg, layout="checkpoint"):
-    if fmt == "fp8_row":
+    if fmt == "fp8":
         return GM.fp8_row_gemv_mosaic(x, *w, n=n, config=cfg, interpret=True)
     if fmt == "fp8_block":
         return GM.fp8_block_gemv_mosaic(x, *w, n=n, config=cfg, interpret=True)
@@ -364,7 +369,7 @@ def _unfused(fmt, x, w, *, n, cfg, layout="checkpoint"):
         nw, kw = w[0].shape[0] * w[0].shape[2], w[0].shape[1] * w[0].shape[3] * 2
     x16, xinv = GM._prepare_x(x, kw, fmt)
     kern = GM._build_kernel(m, nw, kw, cfg, True, layout, fmt=fmt, epilogue="transposed")
-    if fmt == "fp8_row":
+    if fmt == "fp8":
         out_t = kern(x16, C.as_u8(w[0]))
         return (out_t[:n, :m] * w[1].astype(jnp.float32)[:n, None] * xinv[None, :]).T
     out_t = kern(x16, w[0], C.as_u8(w[1]))
@@ -382,8 +387,8 @@ def _unfused(fmt, x, w, *, n, cfg, layout="checkpoint"):
         # M=96, the default config (128 x 256), N padded to the tile.
         ("nvfp4", 96, 130, 512, None, "tiled"),
         # FP8: odd N (131 -> 136) over three 64-row CTAs (scales padded to 192 in the wrapper).
-        ("fp8_row", 7, 131, 256, _CFG(block_n=64, block_k=256, stages=2), "checkpoint"),
-        ("fp8_row", 33, 72, 384, _CFG(block_n=128, block_k=256, stages=2), "checkpoint"),
+        ("fp8", 7, 131, 256, _CFG(block_n=64, block_k=256, stages=2), "checkpoint"),
+        ("fp8", 33, 72, 384, _CFG(block_n=128, block_k=256, stages=2), "checkpoint"),
     ],
 )
 def test_fused_epilogue_is_bit_identical_to_the_unfused_path(fmt, m, n, k, cfg, layout):
@@ -393,7 +398,7 @@ def test_fused_epilogue_is_bit_identical_to_the_unfused_path(fmt, m, n, k, cfg, 
     if cfg is None:
         cfg = GM.default_config(m, C.round_up(n, 8), k, fmt=fmt)
     lv, w = _weights_for(fmt, n, k, rng, layout, cfg)
-    if fmt == "fp8_row":  # per-row scales over many binades, so row/column mix-ups show
+    if fmt == "fp8":  # per-row scales over many binades, so row/column mix-ups show
         s = np.asarray(w[1]) * 2.0 ** rng.integers(-20, 20, w[1].shape)
         w = (w[0], jnp.asarray(s, jnp.float32))
         lv = (lv[0], w[1][:n])
@@ -406,7 +411,7 @@ def test_fused_epilogue_is_bit_identical_to_the_unfused_path(fmt, m, n, k, cfg, 
     _assert_matches(fmt, x, lv, out)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block"])
 def test_output_orientation_with_one_hot_rows(fmt):
     """Row r of x picks column c_r of the weight: out[r, j] is exactly W[j, c_r] (power-of-two
     scales keep every product exact), so a transposed or shifted store cannot pass. Each row's
@@ -415,7 +420,7 @@ def test_output_orientation_with_one_hot_rows(fmt):
     rng = np.random.default_rng(11)
     m, n, k = 5, 131, 256
     lv, w = _weights_for(fmt, n, k, rng)
-    if fmt == "fp8_row":
+    if fmt == "fp8":
         s = jnp.asarray(2.0 ** rng.integers(-8, 8, w[1].shape), jnp.float32)
         w, lv = (w[0], s), (lv[0], s[:n])
     elif fmt == "fp8_block":  # [2, 2] block scales: each (row, column) block its own binade
@@ -431,7 +436,7 @@ def test_output_orientation_with_one_hot_rows(fmt):
     np.testing.assert_array_equal(out, want.astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block"])
 def test_a_row_depends_only_on_its_own_values(fmt):
     """At M=96 a row's bits do not change when every other row does (to other magnitudes).
 
@@ -562,7 +567,7 @@ def _random_fp8_tile(rng, rows, b):
 
 def _replay_pairs(fmt, layout, w, scale_byte):
     """numpy twin of the GPU decode of one 32-bit code word: its float16 pairs, pair order."""
-    if fmt in ("fp8_row", "fp8_block"):
+    if fmt in ("fp8", "fp8_block"):
         b = np.array([w], "<u4").view(np.uint8)
         return [
             b[2 * u : 2 * u + 2].view(ml_dtypes.float8_e4m3fn).astype(np.float16) for u in (0, 1)
@@ -577,8 +582,8 @@ def _replay_pairs(fmt, layout, w, scale_byte):
         ("nvfp4", 64, 128, "checkpoint"),
         ("nvfp4", 128, 256, "relaid"),
         # The FP8 kernel loads its codes one 128-byte swizzle row (two chunks) at a time.
-        ("fp8_row", 64, 128, "checkpoint"),
-        ("fp8_row", 128, 128, "checkpoint"),
+        ("fp8", 64, 128, "checkpoint"),
+        ("fp8", 128, 128, "checkpoint"),
         ("fp8_block", 64, 128, "checkpoint"),
     ],
 )
@@ -688,7 +693,7 @@ def _lower_cuda(m, n, k, cfg, layout="checkpoint", fmt="nvfp4"):
         def f(*a):
             return GM.fp8_block_gemv_mosaic(*a, config=cfg)
 
-    elif fmt == "fp8_row":
+    elif fmt == "fp8":
         args = (
             x,
             jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
@@ -767,7 +772,7 @@ def test_lowers_for_cuda_on_cpu(m, n, k, cfg, layout):
     ],
 )
 def test_fp8_lowers_for_cuda_on_cpu(m, n, k):
-    assert "mosaic_gpu" in _lower_cuda(m, n, k, None, fmt="fp8_row")
+    assert "mosaic_gpu" in _lower_cuda(m, n, k, None, fmt="fp8")
 
 
 @pytest.mark.parametrize(
@@ -777,8 +782,8 @@ def test_fp8_lowers_for_cuda_on_cpu(m, n, k):
         ("nvfp4", 32, 50),  # 64 x 256: 2 x (8 + 1 + 16)
         ("nvfp4", 96, 132),  # 128 x 256: 2 x (16 + 2 + 48)
         ("nvfp4", 128, 164),  # 128 x 256: 2 x (16 + 2 + 64)
-        ("fp8_row", 1, 40),  # 2 x (16 KB codes + 4 KB x): 5 CTAs per SM
-        ("fp8_row", 96, 80),  # 128 x 128: 2 x (16 + 24): 2 CTAs per SM
+        ("fp8", 1, 40),  # 2 x (16 KB codes + 4 KB x): 5 CTAs per SM
+        ("fp8", 96, 80),  # 128 x 128: 2 x (16 + 24): 2 CTAs per SM
         ("fp8_block", 1, 40),  # 64 x 256: 2 x (16 + 4)
         ("fp8_block", 96, 64),  # 64 x 128: 2 x (8 + 24): 3 CTAs per SM
         ("fp8_block", 128, 80),  # 64 x 128: 2 x (8 + 32)
@@ -797,10 +802,10 @@ def test_lowering_reports_shared_memory_overflow():
         _lower_cuda(1, 1024, 2048, cfg)
     cfg = GM.MosaicGemvConfig(block_n=64, block_k=512, stages=2)  # x alone: 2 x 128 KB
     with pytest.raises(ValueError, match="shared memory"):
-        _lower_cuda(128, 1024, 2048, cfg, fmt="fp8_row")
+        _lower_cuda(128, 1024, 2048, cfg, fmt="fp8")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_timing_baselines_lower_for_cuda_on_cpu(fmt):
     """The earlier kernel (transposed raw output, 15-op checkpoint decode) that
     ``scripts/bench_mosaic_gemv.py`` times beside the fused one still lowers."""

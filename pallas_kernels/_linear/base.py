@@ -1,4 +1,5 @@
-"""Weight pytrees for the four storage formats, and the E2M1 / E4M3 constants they rest on.
+"""The contract of ``linear``: its weight operands (four storage formats, the E2M1 / E4M3
+constants they rest on) and the protocol every backend implements.
 
 A weight is a frozen, keyword-only dataclass registered as a pytree whose array leaves are the
 checkpoint's own tensors, so it passes through ``jit``, ``vmap``, ``tree_map`` and donation
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,8 @@ __all__ = [
     "Nvfp4Weight",
     "Weight",
     "WeightFormat",
+    "decode_e2m1",
+    "unpack_e2m1",
 ]
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -290,3 +293,47 @@ class Nvfp4Weight:
 
 
 Weight = Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight
+
+
+def unpack_e2m1(packed: jax.Array) -> jax.Array:
+    """Unpacks ``uint8[..., K/2]`` into codes ``uint8[..., K]`` (element 2j = low nibble of j)."""
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"unpack_e2m1 expects uint8 bytes, got {packed.dtype}")
+    low = packed & 0xF
+    high = packed >> 4
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def decode_e2m1(codes: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Decodes E2M1 codes ``uint8[...]`` to their values (exact in BF16 and F32)."""
+    return jnp.asarray(E2M1_VALUES, dtype)[codes.astype(jnp.int32)]
+
+
+class LinearBackend(Protocol):
+    """A kernel family behind ``linear``: ``x: bf16[M, K]`` times one ``[N, K]`` weight.
+
+    ``supported_on`` says whether it compiles for a device (off it, only interpret mode runs);
+    ``supports`` gives the reason it cannot take ``rows`` rows of ``w`` (None when it can);
+    calling it returns f32[M, N], any M >= 1 (the backend chunks rows as it likes).
+    """
+
+    name: str
+    config_type: type
+
+    def supported_on(self, device: Any) -> bool: ...
+
+    def supports(self, rows: int, w: Weight) -> str | None: ...
+
+    def __call__(self, x: jax.Array, w: Weight, *, config: Any, interpret: bool) -> jax.Array: ...
+
+
+def compute_capability(device: Any) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for any other device."""
+    cc = getattr(device, "compute_capability", None)
+    if getattr(device, "platform", None) != "gpu" or cc is None:
+        return None
+    try:
+        major, minor = (int(p) for p in str(cc).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor

@@ -22,7 +22,7 @@ of K inside every 32-element block (logical column ``8i + 2q + e`` holds element
 FP8 per-row decode (:func:`fp8_row_gemv_mosaic`): the same word holds four E4M3 elements of one
 row; each byte pair converts exactly to one ``f16x2`` register (E4M3 is exact in float16), so
 inside every 16-element block logical column ``8u + 2q + e`` holds element ``4q + 2u + e``
-(:func:`permute_k` with ``fmt="fp8_row"``).
+(:func:`permute_k` with ``fmt="fp8"``).
 
 FP8 block-128 (:func:`fp8_block_gemv_mosaic`, DeepSeek-V3 ``weight_scale_inv``): the FP8 decode
 and pipeline, with 64- or 128-row CTAs aligned to the 128-row scale blocks, so a CTA's scale is
@@ -95,6 +95,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as C
+from pallas_kernels._linear.base import (
+    Fp8BlockWeight,
+    Fp8RowWeight,
+    Nvfp4Weight,
+    Weight,
+    compute_capability,
+)
 
 #: Most activation rows: the MMA's N (rows padded to a multiple of 8) may reach 256, but the
 #: accumulator takes ``block_n * m_pad / 128`` F32 registers per thread and the activation tile
@@ -109,9 +116,9 @@ N_ALIGN = 8
 #: Logical K columns per ``wgmma`` call (one 128-byte swizzle row of float16).
 _CHUNK = 64
 #: K elements per code byte, per weight format.
-_ELEMS_PER_BYTE = {"nvfp4": 2, "fp8_row": 1, "fp8_block": 1}
+_ELEMS_PER_BYTE = {"nvfp4": 2, "fp8": 1, "fp8_block": 1}
 #: The FP8 formats: one E4M3 code per byte, the same decode and K permutation.
-_FP8_FORMATS = ("fp8_row", "fp8_block")
+_FP8_FORMATS = ("fp8", "fp8_block")
 #: Rows and columns of one FP8 block-128 scale (DeepSeek-V3 ``weight_scale_inv``).
 FP8_BLOCK = 128
 
@@ -241,7 +248,7 @@ def default_config(m: int, n: int, k: int, *, fmt: str = "nvfp4") -> MosaicGemvC
     elif fmt == "nvfp4":
         block_n, block_k = 128, 256
     else:
-        block_n, block_k = (128 if fmt == "fp8_row" else 64), FP8_K_ALIGN
+        block_n, block_k = (128 if fmt == "fp8" else 64), FP8_K_ALIGN
     block_k = block_k if k >= block_k else (K_ALIGN if fmt == "nvfp4" else FP8_K_ALIGN)
     return MosaicGemvConfig(block_n=block_n, block_k=block_k, stages=2)
 
@@ -441,8 +448,8 @@ def decode_tile(codes: jax.Array, scale_u8: jax.Array, *, layout: str = "checkpo
 
 def decode_tile_fp8(codes: jax.Array) -> jax.Array:
     """uint8[R, B] E4M3 bytes -> float16[R, B] (exact) in the logical K order of
-    ``permute_k(..., "fp8_row")``, the way the kernel's registers hold it."""
-    return permute_k(C.from_u8_e4m3(codes, jnp.float16), "fp8_row")
+    ``permute_k(..., "fp8")``, the way the kernel's registers hold it."""
+    return permute_k(C.from_u8_e4m3(codes, jnp.float16), "fp8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -645,7 +652,7 @@ def _build_kernel(
 
     Operands: x float16[m_pad, K] (permuted for ``fmt``), f32[m_pad] row factors, then NVFP4
     codes uint8[N, K/2] and scales uint8[N, K/16] (4-D tiles for "tiled"), or FP8 codes
-    uint8[N, K] and f32[cdiv(N, block_n) * block_n] row scales of the weight ("fp8_row"), or
+    uint8[N, K] and f32[cdiv(N, block_n) * block_n] row scales of the weight ("fp8"), or
     FP8 codes uint8[N, K] and block scales f32[cdiv(N, 128), K/128] ("fp8_block").
 
     FP8 block-128 (``block_n`` 64 or 128, so a CTA's rows share one scale row): each 128-wide K
@@ -1004,7 +1011,7 @@ def fp8_row_gemv_mosaic(
         (:func:`prepare_fp8_row_mosaic` pads other weights once; columns past K must be zero).
       scale: f32[Nw] per-row scale, applied in F32 after the F32-accumulated MMA.
       n: output rows to keep (the weight's N before padding); default Nw.
-      config: tile sizes (:func:`default_config` with ``fmt="fp8_row"`` when None).
+      config: tile sizes (:func:`default_config` with ``fmt="fp8"`` when None).
       interpret: run Mosaic GPU's CPU interpreter (slow; tests only).
 
     Returns:
@@ -1014,9 +1021,9 @@ def fp8_row_gemv_mosaic(
     if scale.shape != (nw,):
         raise ValueError(f"scale must be [{nw}], got {scale.shape}")
     n = _check_n(n, nw, N_ALIGN)
-    cfg = config or default_config(m, nw, kw, fmt="fp8_row")
-    x16, xinv = _prepare_x(x, kw, "fp8_row")
-    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8_row")
+    cfg = config or default_config(m, nw, kw, fmt="fp8")
+    x16, xinv = _prepare_x(x, kw, "fp8")
+    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8")
     colf = _pad_to(scale.astype(jnp.float32), C.cdiv(nw, cfg.block_n) * cfg.block_n)
     out = kernel(x16, _pad_to(xinv, x16.shape[0]), C.as_u8(q), colf)
     return out[:, :n] if n < nw else out
@@ -1061,3 +1068,57 @@ def fp8_block_gemv_mosaic(
     kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8_block")
     out = kernel(x16, _pad_to(xinv, x16.shape[0]), C.as_u8(q), scale_inv.astype(jnp.float32))
     return out[:, :n] if n < nw else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend.
+# ---------------------------------------------------------------------------------------------
+
+
+def gemv(
+    x: jax.Array, w: Weight, *, config: MosaicGemvConfig | None = None, interpret: bool = False
+) -> jax.Array:
+    """``x: bf16[M, K]`` (M <= 128) times an aligned NVFP4 / FP8 / FP8 block-128 weight."""
+    if isinstance(w, Nvfp4Weight):
+        return nvfp4_gemv_mosaic(
+            x, w.packed, w.scale, w.scale_2, config=config, interpret=interpret
+        )
+    if isinstance(w, Fp8RowWeight):
+        return fp8_row_gemv_mosaic(x, w.q, w.scale, config=config, interpret=interpret)
+    return fp8_block_gemv_mosaic(x, w.q, w.scale_inv, config=config, interpret=interpret)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MosaicLinear:
+    """The ``wgmma`` GEMV for NVFP4, FP8 per-row and FP8 block-128 weights whose shape suits the
+    TMA copies, at every row count (128-row chunks beyond :data:`MAX_ROWS`). One kernel family
+    for every row count means a row's result does not depend on how many rows share the call.
+    """
+
+    name: str = "mosaic_gpu"
+    config_type: type = MosaicGemvConfig
+
+    def supported_on(self, device) -> bool:
+        """Hopper (sm_90): ``wgmma`` exists on compute capability 9.x only."""
+        cc = compute_capability(device)
+        return cc is not None and cc[0] == 9
+
+    def supports(self, rows: int, w: Weight) -> str | None:
+        del rows  # every row count
+        if not isinstance(w, Nvfp4Weight | Fp8RowWeight | Fp8BlockWeight):
+            return f"no Mosaic GEMV for {w.format.value} weights"
+        n, k = w.shape
+        k_align = K_ALIGN if isinstance(w, Nvfp4Weight) else FP8_K_ALIGN
+        if n % N_ALIGN or k % k_align:
+            return (
+                f"the TMA copies need N % {N_ALIGN} == 0 and K % {k_align} == 0 for "
+                f"{w.format.value} weights, got [{n}, {k}]"
+            )
+        return None
+
+    def __call__(self, x, w, *, config=None, interpret=False):
+        kernel = functools.partial(gemv, w=w, config=config, interpret=interpret)
+        return C.in_row_chunks(kernel, x, MAX_ROWS, w.out_features)
+
+
+MOSAIC_GPU = MosaicLinear()
