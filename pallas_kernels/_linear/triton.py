@@ -62,9 +62,9 @@ class GemvConfig:
       decode: NVFP4 nibble decoder, "asm" (inline PTX) or "arith" (integer ops; also the
         interpret-mode path).
       prefetch: issue the loads of step i+1 before the math of step i (loop-carried registers).
-        On H200 it was 13-71% slower than Triton's own ``num_stages`` pipelining for the FMA and
-        plain-dot paths, and 22% faster for the NVFP4 dot path (where the decode sits between
-        the load and the dot), so the heuristic turns it on only there.
+        Measured on the H200 (see BENCHMARKS.md), Triton's own ``num_stages`` pipelining beats
+        it on the FMA and plain-dot paths; it helps the NVFP4 dot path, where the decode sits
+        between the load and the dot, so the heuristic turns it on only there.
     """
 
     block_n: int = 64
@@ -122,7 +122,6 @@ def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
         num_stages=3,
         compute=compute,
         decode="asm",
-        # Measured: prefetch helps only the NVFP4 tensor-core path (decode between load and dot).
         prefetch=fmt == "nvfp4" and compute == "dot",
     )
 
