@@ -107,9 +107,28 @@ def _check_matrix(cls_name: str, field: str, leaf: Any) -> None:
         raise ValueError(f"{cls_name}.{field} must be [..., N, K], got shape {tuple(leaf.shape)}")
 
 
+class _Matrix:
+    """What every weight type derives from its logical ``shape`` ``(..., N, K)`` and leaves."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams to read the whole weight."""
+        return _nbytes(*jax.tree.leaves(self))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Bf16Weight:
+class Bf16Weight(_Matrix):
     """Plain BF16 weight. ``w: bf16[..., N, K]``."""
 
     w: jax.Array
@@ -127,23 +146,10 @@ class Bf16Weight:
         """Logical shape ``(..., N, K)``."""
         return tuple(self.w.shape)
 
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.w)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Fp8RowWeight:
+class Fp8RowWeight(_Matrix):
     """E4M3 codes with one F32 scale per output row.
 
     ``q: e4m3[..., N, K]``, ``scale: f32[..., N]``.
@@ -171,23 +177,10 @@ class Fp8RowWeight:
         """Logical shape ``(..., N, K)``."""
         return tuple(self.q.shape)
 
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.q, self.scale)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Fp8BlockWeight:
+class Fp8BlockWeight(_Matrix):
     """E4M3 codes with one F32 factor per 128x128 tile (DeepSeek/GLM checkpoints).
 
     ``q: e4m3[..., N, K]``, ``scale_inv: f32[..., ceil(N/128), ceil(K/128)]``. Despite the
@@ -218,23 +211,10 @@ class Fp8BlockWeight:
         """Logical shape ``(..., N, K)``."""
         return tuple(self.q.shape)
 
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.q, self.scale_inv)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Nvfp4Weight:
+class Nvfp4Weight(_Matrix):
     """NVIDIA ModelOpt NVFP4: packed E2M1 codes, E4M3 block-16 scales, an F32 global scale.
 
     ``packed: u8[..., N, K/2]`` (element 2j is the LOW nibble of byte j),
@@ -277,19 +257,6 @@ class Nvfp4Weight:
         """Logical shape ``(..., N, K)``."""
         *lead, n, half_k = self.packed.shape
         return (*lead, n, 2 * half_k)
-
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.packed, self.scale, self.scale_2)
 
 
 Weight = Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight
