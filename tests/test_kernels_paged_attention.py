@@ -159,8 +159,11 @@ def test_dispatch():
     if INTERPRET:  # no GPU: AUTO is the reference
         np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
     kernel = P.paged_attention(q, k, v, bt, lengths, scale=0.25, interpret=INTERPRET)
-    forced = pk.paged_attention(q, k, v, bt, lengths, scale=0.25, implementation="pallas")
-    np.testing.assert_array_equal(np.asarray(forced), np.asarray(kernel))
+    for impl in ("pallas", "triton"):
+        forced = pk.paged_attention(q, k, v, bt, lengths, scale=0.25, implementation=impl)
+        np.testing.assert_array_equal(np.asarray(forced), np.asarray(kernel))
+    with pytest.raises(NotImplementedError, match="no Mosaic GPU backend"):
+        pk.paged_attention(q, k, v, bt, lengths, scale=0.25, implementation="mosaic_gpu")
     q12, k12, v12, bt12, _ = _inputs(rng, 2, 4, 2, 12, 8, 3, "bf16")
     with pytest.raises(NotImplementedError, match="head_dim >= 16"):
         pk.paged_attention(q12, k12, v12, bt12, lengths, scale=0.25, implementation="pallas")

@@ -174,6 +174,12 @@ def test_dispatch_keeps_the_measured_backend_per_shape():
     assert linear_backend(3, bf16, "xla", device=h100) is None
     # Off a GPU AUTO is the reference and PALLAS the interpret-mode backend.
     assert linear_backend(3, bf16) is None or jax.default_backend() == "gpu"
+    # TRITON / MOSAIC_GPU force one backend.
+    nvfp4 = quantize(np.ones((200, 256), np.float32), "nvfp4")
+    assert linear_backend(3, nvfp4, "triton", device=h100) is TRITON
+    assert linear_backend(3, nvfp4, "MOSAIC_GPU", device=h100) is MOSAIC_GPU
+    with pytest.raises(NotImplementedError, match="no Mosaic GEMV for bf16"):
+        linear_backend(3, bf16, "mosaic_gpu", device=h100)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_block", "nvfp4"])

@@ -54,7 +54,13 @@ def linear_backend(
     device = C.default_device() if device is None else device
     if implementation is Implementation.XLA:
         return None
-    candidates = [b for b in BACKENDS if config is None or isinstance(config, b.config_type)]
+    forced = {Implementation.TRITON: "triton", Implementation.MOSAIC_GPU: "mosaic_gpu"}
+    candidates = [
+        b
+        for b in BACKENDS
+        if (config is None or isinstance(config, b.config_type))
+        and forced.get(implementation, b.name) == b.name
+    ]
     if config is not None and not candidates:
         raise TypeError(f"config {type(config).__name__} configures no linear backend")
     reasons = []

@@ -38,11 +38,15 @@ def paged_attention(
     """Softmax attention of ``q`` over each sequence's pages -> f32[B, Nq, D].
 
     ``implementation``: AUTO takes the Triton kernel on a GPU when it supports the shapes (D and
-    block_size powers of two, D >= 16), else the reference; PALLAS the kernel (interpret mode
+    block_size powers of two, D >= 16), else the reference; PALLAS or TRITON the kernel (interpret mode
     off-GPU; NotImplementedError naming the reason when it cannot take the shapes); XLA the
     reference. ``config``: the kernel's tiles (None: its heuristic).
     """
     impl = Implementation.parse(implementation)
+    if impl is Implementation.MOSAIC_GPU:
+        raise NotImplementedError("paged attention has no Mosaic GPU backend; use triton")
+    if impl is Implementation.TRITON:
+        impl = Implementation.PALLAS
     check_operands(q, k_pool, v_pool, block_table, seq_len, k_scale, v_scale)
     scales = dict(scale=float(scale), k_scale=k_scale, v_scale=v_scale)
     reason = triton.supports(q, k_pool)
