@@ -427,8 +427,8 @@ def bf16_operands_dot(x: jax.Array, w: Bf16Weight | Fp8RowWeight) -> jax.Array:
 class TritonLinear:
     """The Triton GEMV for up to 32 rows at a time (row chunks beyond).
 
-    Row heuristic (measured on the H200): BF16 weights take the GEMV for 1..8 rows and FP8
-    per-row weights for 1..8 rows; from 9 rows both take one XLA dot on BF16 operands. NVFP4 and
+    Row heuristic (measured on the H200): BF16 and FP8 per-row weights take the GEMV for 1..8
+    rows and from 9 rows one XLA dot on BF16 operands (FP8 widened inside its fusion). NVFP4 and
     FP8 block-128 have no fused XLA decode (dequantise-then-dot writes and re-reads the weight
     in BF16, 8x slower than a GEMV pass), so they take the GEMV over 32-row chunks.
     """
@@ -446,7 +446,7 @@ class TritonLinear:
         return None
 
     def __call__(self, x, w, *, config=None, interpret=False):
-        if x.shape[0] > DOT_FROM_ROWS - 1 and isinstance(w, Bf16Weight | Fp8RowWeight):
+        if x.shape[0] >= DOT_FROM_ROWS and isinstance(w, Bf16Weight | Fp8RowWeight):
             return bf16_operands_dot(x, w)
         kernel = functools.partial(gemv, w=w, config=config, interpret=interpret)
         return C.in_row_chunks(kernel, x, MAX_ROWS, w.out_features)
