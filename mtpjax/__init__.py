@@ -39,16 +39,12 @@ from mtpjax.generation import (
     reference_target,
 )
 from mtpjax.head import LMHeadParams, lm_head
-from mtpjax.kernels import register_pallas_kernels
 from mtpjax.kv import DrafterState, init_state
 from mtpjax.verify import SpecDecodeMetrics, VerifyOutput
 from mtpjax.verify.accept import accept
 from mtpjax.weights import Precision, dequantize, linear, parse_precision, quantize
 
 __version__ = "0.1.0"
-
-# `implementation="auto"` runs these on a GPU; elsewhere the jnp references serve.
-register_pallas_kernels()
 
 __all__ = [
     "DrafterCheckpoint",

@@ -1,99 +1,67 @@
-"""Pallas GPU kernels (Triton lowering; the NVFP4 and FP8 per-row GEMVs also through Mosaic GPU)
-with pure-``jnp`` reference twins.
+"""Pallas GPU ops with ``implementation=`` dispatch and pure-``jnp`` references.
 
-Every public kernel takes raw arrays (the DESIGN §3 weight leaves), an optional frozen tile
-config and ``interpret: bool`` (True runs the same kernel on the CPU); its ``*_reference`` twin has
-the same signature, accumulates in F32 and is both the fallback and the test oracle. Use
-:func:`gpu_available` to decide between them.
+* :func:`linear` — ``x @ W.T`` for BF16, FP8 per-row, FP8 block-128 and NVFP4 weight pytrees;
+  backends Mosaic GPU (``wgmma``, sm_90) and Triton; :func:`linear_reference` is the XLA path.
+* :func:`paged_attention` — one query row per sequence over a paged KV pool (Triton);
+  :func:`paged_attention_reference` is the XLA path.
 
-Kernel families: ``gemv`` (Triton; 1..32 rows, the weight streamed once for all rows),
-``gemv_mosaic`` (Mosaic GPU ``wgmma``; NVFP4, FP8 per-row and block-128, 1..128 rows), ``verify_gemm``
-(Triton; 9..96 rows on the transposed padded copy of :func:`make_transposed`), ``argmax`` and
-``paged_attention``. Which one a projection gets on the GPU is `mtpjax.kernels`' choice.
+Every backend declares where it compiles (``supported_on(device)``) and what it takes
+(``supports``); AUTO picks the first that holds, else the reference. This package never imports
+``mtpjax``.
 """
 
-from pallas_kernels._common import gpu_available
-from pallas_kernels.argmax import ArgmaxConfig, argmax_logprob, argmax_logprob_reference
-from pallas_kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from pallas_kernels.gemv import (
-    GemvConfig,
-    bf16_gemv,
-    bf16_gemv_reference,
-    fp8_block_gemv,
-    fp8_block_gemv_reference,
-    fp8_row_gemv,
-    fp8_row_gemv_reference,
-    nvfp4_gemv,
-    nvfp4_gemv_reference,
+from pallas_kernels._linear.api import BACKENDS, linear, linear_backend
+from pallas_kernels._linear.base import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    FP8_BLOCK,
+    NVFP4_BLOCK,
+    Bf16Weight,
+    Fp8BlockWeight,
+    Fp8RowWeight,
+    LinearBackend,
+    Nvfp4Weight,
+    Weight,
+    WeightFormat,
+    decode_e2m1,
+    unpack_e2m1,
 )
-from pallas_kernels.gemv_mosaic import FP8_K_ALIGN as MOSAIC_FP8_K_ALIGN
-from pallas_kernels.gemv_mosaic import K_ALIGN as MOSAIC_K_ALIGN
-from pallas_kernels.gemv_mosaic import MAX_ROWS as MOSAIC_MAX_ROWS
-from pallas_kernels.gemv_mosaic import N_ALIGN as MOSAIC_N_ALIGN
-from pallas_kernels.gemv_mosaic import (
-    MosaicGemvConfig,
-    fp8_block_gemv_mosaic,
-    fp8_row_gemv_mosaic,
-    nvfp4_gemv_mosaic,
-    prepare_fp8_block_mosaic,
-    prepare_fp8_row_mosaic,
-    prepare_nvfp4_mosaic,
-)
-from pallas_kernels.paged_attention import (
-    PagedAttentionConfig,
-    paged_attention,
-    paged_attention_reference,
-)
-from pallas_kernels.verify_gemm import (
-    VerifyGemmConfig,
-    make_transposed,
-    verify_gemm_bf16,
-    verify_gemm_bf16_reference,
-    verify_gemm_fp8_block,
-    verify_gemm_fp8_block_reference,
-    verify_gemm_fp8_row,
-    verify_gemm_fp8_row_reference,
-    verify_gemm_nvfp4,
-    verify_gemm_nvfp4_reference,
-)
+from pallas_kernels._linear.mosaic_gpu import MOSAIC_GPU, MosaicGemvConfig, MosaicLinear
+from pallas_kernels._linear.reference import linear_reference
+from pallas_kernels._linear.triton import TRITON, GemvConfig, TritonLinear
+from pallas_kernels._paged_attention.api import paged_attention
+from pallas_kernels._paged_attention.reference import paged_attention_reference
+from pallas_kernels._paged_attention.triton import PagedAttentionConfig
+from pallas_kernels.implementation import Implementation
 
 __all__ = [
-    "GEMV_MAX_ROWS",
-    "MOSAIC_FP8_K_ALIGN",
-    "MOSAIC_K_ALIGN",
-    "MOSAIC_MAX_ROWS",
-    "MOSAIC_N_ALIGN",
-    "ArgmaxConfig",
+    "BACKENDS",
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "FP8_BLOCK",
+    "MOSAIC_GPU",
+    "NVFP4_BLOCK",
+    "TRITON",
+    "Bf16Weight",
+    "Fp8BlockWeight",
+    "Fp8RowWeight",
     "GemvConfig",
+    "Implementation",
+    "LinearBackend",
     "MosaicGemvConfig",
+    "MosaicLinear",
+    "Nvfp4Weight",
     "PagedAttentionConfig",
-    "VerifyGemmConfig",
-    "argmax_logprob",
-    "argmax_logprob_reference",
-    "bf16_gemv",
-    "bf16_gemv_reference",
-    "fp8_block_gemv",
-    "fp8_block_gemv_mosaic",
-    "fp8_block_gemv_reference",
-    "fp8_row_gemv",
-    "fp8_row_gemv_mosaic",
-    "fp8_row_gemv_reference",
-    "gpu_available",
-    "make_transposed",
-    "nvfp4_gemv",
-    "nvfp4_gemv_mosaic",
-    "nvfp4_gemv_reference",
+    "TritonLinear",
+    "Weight",
+    "WeightFormat",
+    "decode_e2m1",
+    "linear",
+    "linear_backend",
+    "linear_reference",
     "paged_attention",
     "paged_attention_reference",
-    "prepare_fp8_block_mosaic",
-    "prepare_fp8_row_mosaic",
-    "prepare_nvfp4_mosaic",
-    "verify_gemm_bf16",
-    "verify_gemm_bf16_reference",
-    "verify_gemm_fp8_block",
-    "verify_gemm_fp8_block_reference",
-    "verify_gemm_fp8_row",
-    "verify_gemm_fp8_row_reference",
-    "verify_gemm_nvfp4",
-    "verify_gemm_nvfp4_reference",
+    "unpack_e2m1",
 ]

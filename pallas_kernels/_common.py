@@ -6,7 +6,7 @@ Shape glossary used across the kernel modules:
   K  input features (hidden size)
   G  K // 16, NVFP4 scale groups
 
-Number formats (DESIGN §3):
+Number formats:
   E2M1 nibble: bit 3 sign, bits 0..2 index the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; element 2j of
   a row is the low nibble of byte j. The kernels decode a nibble straight into float16 bits,
   ``sign << 15 | index << 9``, which is exactly ``e2m1 * 2**-14`` (index 1 lands on the float16
@@ -16,8 +16,6 @@ Number formats (DESIGN §3):
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
@@ -26,8 +24,6 @@ from jax.experimental.pallas import triton as plgpu
 E2M1_F16_BIAS = 2.0**-14
 #: Fold this into the output scale to undo :data:`E2M1_F16_BIAS`.
 E2M1_F16_UNBIAS = 2.0**14
-
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,64 +42,26 @@ def is_pow2(a: int) -> bool:
     return a > 0 and (a & (a - 1)) == 0
 
 
-@functools.cache
-def gpu_available(min_compute_capability: tuple[int, int] = (9, 0)) -> bool:
-    """True when the default backend is a CUDA GPU at least ``min_compute_capability``.
+def default_device():
+    """The device ops dispatch for: the first of JAX's default backend."""
+    return jax.devices()[0]
 
-    The kernels lower through Triton and use FP8 conversions (sm_89+); they are tuned for Hopper
-    (sm_90). Everything else should call the ``*_reference`` twins (or pass ``interpret=True``).
+
+def in_row_chunks(kernel, x: jax.Array, chunk: int, n: int) -> jax.Array:
+    """``kernel`` over ``x: [M, K]`` in chunks of at most ``chunk`` rows -> ``[M, n]``.
+
+    One kernel in a loop over the chunks (zero rows pad the last), not one call per chunk
+    unrolled into the program: a prefill-sized M stays one kernel to compile.
     """
-    try:
-        devices = jax.devices()
-    except RuntimeError:
-        return False
-    if not devices or devices[0].platform != "gpu":
-        return False
-    cc = getattr(devices[0], "compute_capability", None)
-    if cc is None:
-        return False
-    try:
-        major, minor = (int(p) for p in str(cc).split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= tuple(min_compute_capability)
+    m = x.shape[0]
+    if m <= chunk:
+        return kernel(x)
+    chunks = jnp.pad(x, ((0, -m % chunk), (0, 0))).reshape(-1, chunk, x.shape[1])
+    return jax.lax.map(kernel, chunks).reshape(-1, n)[:m]
 
 
 def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure-jnp dequantisation (references and host-side helpers).
-# ---------------------------------------------------------------------------------------------
-
-
-def e2m1_lut() -> jax.Array:
-    """f32[16]: the value of every E2M1 code (sign in bit 3)."""
-    mags = jnp.asarray(_E2M1_MAGNITUDES, jnp.float32)
-    return jnp.concatenate([mags, -mags])
-
-
-def unpack_e2m1(packed: jax.Array) -> jax.Array:
-    """uint8[..., K/2] -> uint8[..., K] codes, element 2j = low nibble of byte j."""
-    lo = packed & jnp.uint8(0x0F)
-    hi = packed >> jnp.uint8(4)
-    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-
-
-def dequant_nvfp4(packed: jax.Array, scale: jax.Array, scale_2: jax.Array) -> jax.Array:
-    """NVFP4 leaves -> f32[N, K] weight (``e2m1 * scale[n, k // 16] * scale_2``)."""
-    codes = unpack_e2m1(packed).astype(jnp.int32)
-    vals = e2m1_lut()[codes]
-    s = jnp.repeat(scale.astype(jnp.float32), 16, axis=-1)[..., : vals.shape[-1]]
-    return vals * s * jnp.asarray(scale_2, jnp.float32)
-
-
-def dequant_fp8_block(q: jax.Array, scale_inv: jax.Array) -> jax.Array:
-    """FP8 block-128 leaves -> f32[N, K] weight (``q * scale_inv[n // 128, k // 128]``)."""
-    n, k = q.shape
-    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), 128, axis=0), 128, axis=1)
-    return q.astype(jnp.float32) * s[:n, :k]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,18 +147,6 @@ def as_u8(a: jax.Array) -> jax.Array:
 def from_u8_e4m3(a: jax.Array, dtype) -> jax.Array:
     """In-kernel: uint8 bytes holding E4M3 -> ``dtype`` (exact for f16/bf16/f32)."""
     return jax.lax.bitcast_convert_type(a, jnp.float8_e4m3fn).astype(dtype)
-
-
-def row_chunks(m: int) -> tuple[int, ...]:
-    """Split ``round_up(m, 16)`` rows into power-of-two chunks >= 16 (96 -> 64 + 32)."""
-    total = round_up(max(m, 1), 16)
-    chunks, bit = [], 1 << (total.bit_length() - 1)
-    while total:
-        if total >= bit and bit >= 16:
-            chunks.append(bit)
-            total -= bit
-        bit >>= 1
-    return tuple(chunks)
 
 
 # ---------------------------------------------------------------------------------------------

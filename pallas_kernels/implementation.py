@@ -19,6 +19,8 @@ class Implementation(enum.Enum):
     AUTO = "auto"  # the best backend that supports the device and the operands, else XLA
     XLA = "xla"  # the pure-jnp reference
     PALLAS = "pallas"  # a Pallas backend (interpret mode off-GPU); an error if none applies
+    TRITON = "triton"  # PALLAS restricted to the Triton backend
+    MOSAIC_GPU = "mosaic_gpu"  # PALLAS restricted to the Mosaic GPU backend
 
     @classmethod
     def parse(cls, value: Implementation | str) -> Implementation:

@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from pallas_kernels import Bf16Weight, Fp8BlockWeight, Fp8RowWeight, Nvfp4Weight
+
+#: Kernel tests run the kernels compiled on a GPU and in interpret mode elsewhere.
+INTERPRET = jax.default_backend() != "gpu"
 
 E2M1 = np.array(
     [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float64
@@ -22,15 +28,15 @@ def rel_err(out, ref) -> float:
 
 
 def leaves(fmt: str, n: int, k: int, rng: np.random.Generator):
-    """Random DESIGN §3 leaves for one weight."""
+    """Random leaves for one weight (``fmt``: bf16, fp8 / fp8_row, fp8_block, nvfp4)."""
     if fmt == "bf16":
         return (jnp.asarray(rng.standard_normal((n, k)) * 0.1, jnp.bfloat16),)
-    if fmt in ("fp8_row", "fp8_block"):
+    if fmt in ("fp8", "fp8_row", "fp8_block"):
         q = np.clip(rng.standard_normal((n, k)) * 64, -448, 448)
         # Include E4M3 subnormals (|q| < 2**-6) so the exact-dequantisation claim is exercised.
         q[:, ::7] *= 2.0**-10
         q = jnp.asarray(q.astype(ml_dtypes.float8_e4m3fn))
-        if fmt == "fp8_row":
+        if fmt != "fp8_block":
             return q, jnp.asarray(rng.uniform(1e-3, 2e-2, n), jnp.float32)
         s = rng.uniform(1e-3, 2e-2, (-(-n // 128), -(-k // 128)))
         return q, jnp.asarray(s, jnp.float32)
@@ -41,10 +47,10 @@ def leaves(fmt: str, n: int, k: int, rng: np.random.Generator):
 
 
 def numpy_dequant(fmt: str, *lv) -> np.ndarray:
-    """Independent float64 dequantisation straight from DESIGN §3 (the oracle of the oracles)."""
+    """Independent float64 dequantisation straight from the leaves (the oracle of the oracles)."""
     if fmt == "bf16":
         return np.asarray(lv[0], np.float64)
-    if fmt == "fp8_row":
+    if fmt in ("fp8", "fp8_row"):
         q, s = lv
         return np.asarray(q, np.float64) * np.asarray(s, np.float64)[:, None]
     if fmt == "fp8_block":
@@ -61,6 +67,17 @@ def numpy_dequant(fmt: str, *lv) -> np.ndarray:
     codes[:, 1::2] = p >> 4
     s = np.repeat(np.asarray(scale, np.float64), 16, axis=1)
     return E2M1[codes] * s * float(s2)
+
+
+def weight(fmt: str, *lv):
+    """The weight pytree of :func:`leaves`' leaves."""
+    if fmt == "bf16":
+        return Bf16Weight(w=lv[0])
+    if fmt in ("fp8", "fp8_row"):
+        return Fp8RowWeight(q=lv[0], scale=lv[1])
+    if fmt == "fp8_block":
+        return Fp8BlockWeight(q=lv[0], scale_inv=lv[1])
+    return Nvfp4Weight(packed=lv[0], scale=lv[1], scale_2=lv[2])
 
 
 # ---------------------------------------------------------------------------------------------

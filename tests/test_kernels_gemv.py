@@ -1,17 +1,28 @@
-"""GEMV / batched-GEMV kernels (interpret mode) against their references and a float64 oracle."""
+"""Triton GEMV / batched-GEMV kernels against ``linear``'s reference and a float64 oracle
+(interpret mode on the CPU, compiled on a GPU)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import E2M1, leaves, numpy_dequant, rel_err, run_ptx
+from kernel_helpers import E2M1, INTERPRET, leaves, numpy_dequant, rel_err, run_ptx, weight
 
 from pallas_kernels import _common as C
-from pallas_kernels import gemv as G
+from pallas_kernels import linear_reference
+from pallas_kernels._linear import triton as G
+
+
+def _kern(fmt, x, *lv, **kw):
+    return G.gemv(x, weight(fmt, *lv), interpret=INTERPRET, **kw)
+
+
+def _ref(fmt, x, *lv):
+    """The F32 reference (x widened to F32, HIGHEST precision)."""
+    return linear_reference(x.astype(jnp.float32), weight(fmt, *lv))
+
 
 FORMATS = ("bf16", "fp8_row", "fp8_block", "nvfp4")
 
@@ -35,9 +46,8 @@ def test_gemv_one_row_odd_n_k_tail(fmt, compute):
     n, k = 1021, 272
     lv = leaves(fmt, n, k, rng)
     x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
-    kern, ref = G.KERNELS[fmt]
-    out = kern(x, *lv, config=_small_cfg(fmt, compute, split_k=3), interpret=True)
-    want = ref(x, *lv)
+    out = _kern(fmt, x, *lv, config=_small_cfg(fmt, compute, split_k=3))
+    want = _ref(fmt, x, *lv)
     oracle = np.asarray(x, np.float64) @ numpy_dequant(fmt, *lv).T
     assert out.shape == (1, n) and out.dtype == jnp.float32
     assert rel_err(out, want) < 2e-6
@@ -65,12 +75,11 @@ def test_batched_gemv_rows(fmt, m, compute):
     n, k = 96, 256
     lv = leaves(fmt, n, k, rng)
     x = jnp.asarray(rng.standard_normal((m, k)) * 3, jnp.bfloat16)
-    kern, ref = G.KERNELS[fmt]
-    out = kern(x, *lv, config=_small_cfg(fmt, compute, block_k=128), interpret=True)
+    out = _kern(fmt, x, *lv, config=_small_cfg(fmt, compute, block_k=128))
     assert out.shape == (m, n)
-    assert rel_err(out, ref(x, *lv)) < 2e-6
+    assert rel_err(out, _ref(fmt, x, *lv)) < 2e-6
     # Each row on its own gives the same numbers as in the batch.
-    single = kern(x[m - 1 :], *lv, config=_small_cfg(fmt, "fma", block_k=128), interpret=True)
+    single = _kern(fmt, x[m - 1 :], *lv, config=_small_cfg(fmt, "fma", block_k=128))
     assert rel_err(out[m - 1 :], single) < 2e-6
 
 
@@ -80,8 +89,8 @@ def test_dot_path_handles_large_activations():
     lv = leaves("nvfp4", 64, 128, rng)
     x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
     x = (x * jnp.asarray([[1e6], [1e-6], [1.0]])).astype(jnp.bfloat16)
-    out = G.nvfp4_gemv(x, *lv, config=_small_cfg("nvfp4", "dot"), interpret=True)
-    want = G.nvfp4_gemv_reference(x, *lv)
+    out = _kern("nvfp4", x, *lv, config=_small_cfg("nvfp4", "dot"))
+    want = _ref("nvfp4", x, *lv)
     for r in range(3):
         assert rel_err(out[r], want[r]) < 2e-6
 
@@ -90,8 +99,8 @@ def test_no_prefetch_matches():
     rng = np.random.default_rng(5)
     lv = leaves("fp8_row", 100, 320, rng)
     x = jnp.asarray(rng.standard_normal((2, 320)), jnp.bfloat16)
-    a = G.fp8_row_gemv(x, *lv, config=_small_cfg("fp8_row", "fma", prefetch=False), interpret=True)
-    b = G.fp8_row_gemv(x, *lv, config=_small_cfg("fp8_row", "fma"), interpret=True)
+    a = _kern("fp8_row", x, *lv, config=_small_cfg("fp8_row", "fma", prefetch=False))
+    b = _kern("fp8_row", x, *lv, config=_small_cfg("fp8_row", "fma"))
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
@@ -101,8 +110,8 @@ def test_default_config_runs():
     x = jnp.asarray(rng.standard_normal((1, 256)), jnp.bfloat16)
     cfg = G.default_config("nvfp4", 1, 128, 256)
     assert cfg.split_k >= 1 and C.is_pow2(cfg.block_n)
-    out = G.nvfp4_gemv(x, *lv, interpret=True)
-    assert rel_err(out, G.nvfp4_gemv_reference(x, *lv)) < 2e-6
+    out = _kern("nvfp4", x, *lv)
+    assert rel_err(out, _ref("nvfp4", x, *lv)) < 2e-6
 
 
 @pytest.mark.parametrize(
@@ -124,18 +133,13 @@ def test_rejects_bad_shapes():
     rng = np.random.default_rng(0)
     lv = leaves("bf16", 32, 64, rng)
     with pytest.raises(ValueError, match="rows"):
-        G.bf16_gemv(jnp.zeros((33, 64), jnp.bfloat16), *lv, interpret=True)
+        _kern("bf16", jnp.zeros((33, 64), jnp.bfloat16), *lv)
     with pytest.raises(ValueError, match="x must be"):
-        G.bf16_gemv(jnp.zeros((1, 65), jnp.bfloat16), *lv, interpret=True)
+        _kern("bf16", jnp.zeros((1, 65), jnp.bfloat16), *lv)
     q, s = leaves("fp8_block", 200, 256, rng)
     with pytest.raises(ValueError, match="block_n"):
-        G.fp8_block_gemv(
-            jnp.zeros((1, 256), jnp.bfloat16),
-            q,
-            s,
-            config=G.GemvConfig(block_n=256, block_k=128),
-            interpret=True,
-        )
+        cfg = G.GemvConfig(block_n=256, block_k=128)
+        _kern("fp8_block", jnp.zeros((1, 256), jnp.bfloat16), q, s, config=cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,12 +192,7 @@ def test_references_agree_with_float64_oracle():
         x = jnp.asarray(rng.standard_normal((4, lv[0].shape[1] * (2 if fmt == "nvfp4" else 1))))
         x = x.astype(jnp.bfloat16)
         want = np.asarray(x, np.float64) @ numpy_dequant(fmt, *lv).T
-        assert rel_err(G.KERNELS[fmt][1](x, *lv), want) < 1e-6, fmt
-
-
-def test_gpu_available_is_false_on_cpu():
-    if jax.devices()[0].platform == "cpu":
-        assert C.gpu_available() is False
+        assert rel_err(_ref(fmt, x, *lv), want) < 1e-6, fmt
 
 
 def test_to_f16_rowscaled_is_exact_for_bf16():
@@ -202,16 +201,6 @@ def test_to_f16_rowscaled_is_exact_for_bf16():
     assert x16.shape == (16, 3) and x16.dtype == jnp.float16
     back = np.asarray(x16[:2], np.float64) * np.asarray(inv, np.float64)[:, None]
     np.testing.assert_array_equal(back, np.asarray(x, np.float64))
-
-
-def test_row_chunks():
-    assert C.row_chunks(96) == (64, 32)
-    assert C.row_chunks(9) == (16,)
-    assert C.row_chunks(33) == (32, 16)
-    assert C.row_chunks(128) == (128,)
-    for m in range(1, 129):
-        ch = C.row_chunks(m)
-        assert sum(ch) >= m and sum(ch) - m < 16 and all(C.is_pow2(c) and c >= 16 for c in ch)
 
 
 def test_config_is_hashable_static():

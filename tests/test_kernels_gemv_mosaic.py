@@ -12,52 +12,92 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from kernel_helpers import E2M1, leaves, numpy_dequant, rel_err
+from kernel_helpers import E2M1, INTERPRET, leaves, numpy_dequant, rel_err, weight
 
 from pallas_kernels import _common as C
-from pallas_kernels import gemv as G
-from pallas_kernels import gemv_mosaic as GM
+from pallas_kernels import linear_reference
+from pallas_kernels._linear import mosaic_gpu as GM
 
 
-def _run(m, n, k, cfg, *, seed=0, layout="checkpoint"):
+def _ref(fmt, x, *lv):
+    """The F32 reference (x widened to F32, HIGHEST precision)."""
+    return linear_reference(x.astype(jnp.float32), weight(fmt, *lv))
+
+
+def _pad(a, rows, cols=None):
+    """Zero-pads a weight leaf to ``rows`` (and ``cols``) for the kernel's TMA granularity."""
+    widths = [(0, rows - a.shape[0])]
+    if a.ndim == 2:
+        widths.append((0, (cols or a.shape[1]) - a.shape[1]))
+    return jnp.pad(a, widths)
+
+
+def _prepare_nvfp4(packed, scale):
+    """N padded to a multiple of 8, K of 256, with zero codes and scales."""
+    n, kh = packed.shape
+    np_, kp = C.round_up(n, 8), C.round_up(kh * 2, 256)
+    return _pad(packed, np_, kp // 2), _pad(scale, np_, kp // 16)
+
+
+def _prepare_fp8_row(q, scale):
+    n, k = q.shape
+    np_ = C.round_up(n, 8)
+    return _pad(q, np_, C.round_up(k, 128)), _pad(scale.astype(jnp.float32), np_)
+
+
+def _prepare_fp8_block(q, scale_inv):
+    n, k = q.shape
+    return _pad(q, C.round_up(n, 8), C.round_up(k, 128)), scale_inv
+
+
+def _sliced(kernel):
+    """``kernel`` with its output cut to the weight's first ``n`` rows (padded weights)."""
+
+    def call(x, *w, n=None, interpret=INTERPRET, **kw):
+        out = kernel(x, *w, interpret=interpret, **kw)
+        return out if n is None else out[:, :n]
+
+    return call
+
+
+_nvfp4 = _sliced(GM.nvfp4_gemv_mosaic)
+_fp8_row = _sliced(GM.fp8_row_gemv_mosaic)
+_fp8_block = _sliced(GM.fp8_block_gemv_mosaic)
+
+
+def _run(m, n, k, cfg, *, seed=0):
     rng = np.random.default_rng(seed)
     lv = leaves("nvfp4", n, k, rng)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    tile = (
-        {} if cfg is None or layout != "tiled" else dict(block_n=cfg.block_n, block_k=cfg.block_k)
-    )
-    packed, scale = GM.prepare_nvfp4_mosaic(lv[0], lv[1], layout=layout, **tile)
-    out = GM.nvfp4_gemv_mosaic(
-        x, packed, scale, lv[2], n=n, layout=layout, config=cfg, interpret=True
-    )
-    return x, lv, out
+    packed, scale = _prepare_nvfp4(lv[0], lv[1])
+    return x, lv, _nvfp4(x, packed, scale, lv[2], n=n, config=cfg)
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "cfg", "layout"),
+    ("m", "n", "k", "cfg"),
     [
         # M=1, odd N (1021: row tail inside a tile and N padded to 1024), K=272 padded to 512.
-        (1, 1021, 272, GM.MosaicGemvConfig(block_n=64, block_k=256, stages=2), "checkpoint"),
+        (1, 1021, 272, GM.MosaicGemvConfig(block_n=64, block_k=256, stages=2)),
         # M=3, two 64-row M groups per warpgroup, K tail inside the last step (768 = 512 + 256).
-        (3, 200, 768, GM.MosaicGemvConfig(block_n=128, block_k=512, stages=3), "relaid"),
+        (3, 200, 768, GM.MosaicGemvConfig(block_n=128, block_k=512, stages=3)),
         # M=8 (one full N=8 MMA), N below one tile.
-        (8, 40, 512, GM.MosaicGemvConfig(block_n=64, block_k=256, stages=4), "checkpoint"),
+        (8, 40, 512, GM.MosaicGemvConfig(block_n=64, block_k=256, stages=4)),
         # M=13 pads to N=16; 256 rows per CTA.
-        (13, 264, 256, GM.MosaicGemvConfig(block_n=256, block_k=256, stages=2), "relaid"),
-        # Contiguous tiles: N and K padded to the tile (200 -> 256 rows, 1008 -> 1024).
-        (2, 200, 1008, GM.MosaicGemvConfig(block_n=64, block_k=512, stages=2), "tiled"),
-        (5, 130, 512, GM.MosaicGemvConfig(block_n=128, block_k=256, stages=3), "tiled"),
+        (13, 264, 256, GM.MosaicGemvConfig(block_n=256, block_k=256, stages=2)),
+        # N and K padded (200 -> 208 rows, 1008 -> 1024).
+        (2, 200, 1008, GM.MosaicGemvConfig(block_n=64, block_k=512, stages=2)),
+        (5, 130, 512, GM.MosaicGemvConfig(block_n=128, block_k=256, stages=3)),
     ],
 )
-def test_matches_reference(m, n, k, cfg, layout):
-    x, lv, out = _run(m, n, k, cfg, seed=m * 1000 + n, layout=layout)
+def test_matches_reference(m, n, k, cfg):
+    x, lv, out = _run(m, n, k, cfg, seed=m * 1000 + n)
     assert out.shape == (m, n) and out.dtype == jnp.float32
-    assert rel_err(out, G.nvfp4_gemv_reference(x, *lv)) < 2e-6
+    assert rel_err(out, _ref("nvfp4", x, *lv)) < 2e-6
     oracle = np.asarray(x, np.float64) @ numpy_dequant("nvfp4", *lv).T
     assert rel_err(out, oracle) < 2e-6
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_rows_are_independent_and_scaled_per_row(fmt):
     """Rows of very different magnitude (float16 row scaling) each match the reference."""
     rng = np.random.default_rng(7)
@@ -66,30 +106,17 @@ def test_rows_are_independent_and_scaled_per_row(fmt):
     x = (x * jnp.asarray([[1e6], [1e-6], [1.0]])).astype(jnp.bfloat16)
     kernel = GM.nvfp4_gemv_mosaic if fmt == "nvfp4" else GM.fp8_row_gemv_mosaic
     cfg = GM.MosaicGemvConfig(block_n=64, block_k=256, stages=2)
-    out = kernel(x, *lv, config=cfg, interpret=True)
-    want = G.KERNELS[fmt][1](x, *lv)
+    out = kernel(x, *lv, config=cfg, interpret=INTERPRET)
+    want = _ref(fmt, x, *lv)
     for r in range(3):
         assert rel_err(out[r], want[r]) < 2e-6
-    single = kernel(x[2:], *lv, config=cfg, interpret=True)
+    single = kernel(x[2:], *lv, config=cfg, interpret=INTERPRET)
     np.testing.assert_array_equal(np.asarray(single), np.asarray(out[2:]))
 
 
-@pytest.mark.parametrize("layout", GM.WEIGHT_LAYOUTS)
-def test_default_config_runs(layout):
-    x, lv, out = _run(2, 256, 512, None, seed=3, layout=layout)
-    assert rel_err(out, G.nvfp4_gemv_reference(x, *lv)) < 2e-6
-
-
-def test_tiled_layout_is_a_relabelling_of_relaid():
-    rng = np.random.default_rng(4)
-    packed, scale, _ = leaves("nvfp4", 128, 1024, rng)
-    rp, rs = GM.prepare_nvfp4_mosaic(packed, scale, layout="relaid")
-    tp, ts = GM.prepare_nvfp4_mosaic(packed, scale, layout="tiled", block_n=64, block_k=512)
-    assert tp.shape == (2, 2, 64, 256) and ts.shape == (2, 2, 64, 32)
-    np.testing.assert_array_equal(np.asarray(tp[1, 0]), np.asarray(rp[64:, :256]))
-    np.testing.assert_array_equal(
-        np.asarray(ts[0, 1]).view(np.uint8), np.asarray(rs[:64, 32:]).view(np.uint8)
-    )
+def test_default_config_runs():
+    x, lv, out = _run(2, 256, 512, None, seed=3)
+    assert rel_err(out, _ref("nvfp4", x, *lv)) < 2e-6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +131,7 @@ def _assert_matches(fmt, x, lv, out):
     mixing or reordering)."""
     m, n = x.shape[0], lv[0].shape[0]
     assert out.shape == (m, n) and out.dtype == jnp.float32
-    assert rel_err(out, G.KERNELS[fmt][1](x, *lv)) < 2e-6
+    assert rel_err(out, _ref(fmt, x, *lv)) < 2e-6
     oracle = np.asarray(x, np.float64) @ numpy_dequant(fmt, *lv).T
     assert rel_err(out, oracle) < 2e-6
     row_err = np.linalg.norm(np.asarray(out, np.float64) - oracle, axis=1)
@@ -112,20 +139,20 @@ def _assert_matches(fmt, x, lv, out):
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "cfg", "layout"),
+    ("m", "n", "k", "cfg"),
     [
         # M=9 pads to N=16; one 128-row CTA wider than the weight (72 rows).
-        (9, 72, 256, _CFG(block_n=128, block_k=256, stages=2), "checkpoint"),
+        (9, 72, 256, _CFG(block_n=128, block_k=256, stages=2)),
         # M=33 (pads to 40), odd N (130 -> 136), default config (128 x 256), K tail in a step.
-        (33, 130, 768, None, "relaid"),
-        # M=96, contiguous tiles, two 64-row M groups per warpgroup.
-        (96, 128, 512, _CFG(block_n=128, block_k=256, stages=3), "tiled"),
+        (33, 130, 768, None),
+        # M=96, two 64-row M groups per warpgroup.
+        (96, 128, 512, _CFG(block_n=128, block_k=256, stages=3)),
         # M=128 (the MMA's N = 128), default config (64 x 256).
-        (128, 64, 512, None, "checkpoint"),
+        (128, 64, 512, None),
     ],
 )
-def test_nvfp4_more_rows_match_reference(m, n, k, cfg, layout):
-    x, lv, out = _run(m, n, k, cfg, seed=m, layout=layout)
+def test_nvfp4_more_rows_match_reference(m, n, k, cfg):
+    x, lv, out = _run(m, n, k, cfg, seed=m)
     _assert_matches("nvfp4", x, lv, out)
 
 
@@ -133,9 +160,9 @@ def test_default_configs_keep_the_measured_small_m_tiles():
     for m in range(1, 9):
         assert GM.default_config(m, 248320, 5120) == _CFG(block_n=64, block_k=512, stages=2)
         want = _CFG(block_n=64, block_k=256, stages=2)
-        assert GM.default_config(m, 248320, 5120, fmt="fp8_row") == want
+        assert GM.default_config(m, 248320, 5120, fmt="fp8") == want
     for m in (9, 32, 96, 128):
-        for fmt in ("nvfp4", "fp8_row"):
+        for fmt in ("nvfp4", "fp8"):
             cfg = GM.default_config(m, 248320, 5120, fmt=fmt)
             assert cfg.block_n * C.round_up(m, 8) // 128 <= 128  # accumulator registers
     # FP8 block-128: 64-row CTAs (two accumulators); both FP8 formats take 128-wide K steps
@@ -144,7 +171,7 @@ def test_default_configs_keep_the_measured_small_m_tiles():
         cfg = GM.default_config(m, 248320, 5120, fmt="fp8_block")
         assert cfg == _CFG(block_n=64, block_k=256 if m <= 32 else 128, stages=2), m
         assert 2 * cfg.block_n * C.round_up(m, 8) // 128 <= 128  # both accumulators
-        row = GM.default_config(m, 248320, 5120, fmt="fp8_row")
+        row = GM.default_config(m, 248320, 5120, fmt="fp8")
         want = _CFG(block_n=64, block_k=256) if m <= 32 else _CFG(block_n=128, block_k=128)
         assert row == dataclasses.replace(want, stages=2), m
     with pytest.raises(ValueError, match="fp4"):
@@ -153,11 +180,10 @@ def test_default_configs_keep_the_measured_small_m_tiles():
 
 def _run_fp8(m, n, k, cfg, *, seed=0):
     rng = np.random.default_rng(seed)
-    q, scale = leaves("fp8_row", n, k, rng)
+    q, scale = leaves("fp8", n, k, rng)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    qp, sp = GM.prepare_fp8_row_mosaic(q, scale)
-    out = GM.fp8_row_gemv_mosaic(x, qp, sp, n=n, config=cfg, interpret=True)
-    return x, (q, scale), out
+    qp, sp = _prepare_fp8_row(q, scale)
+    return x, (q, scale), _fp8_row(x, qp, sp, n=n, config=cfg)
 
 
 @pytest.mark.parametrize(
@@ -175,39 +201,36 @@ def _run_fp8(m, n, k, cfg, *, seed=0):
 )
 def test_fp8_row_matches_reference(m, n, k, cfg):
     x, lv, out = _run_fp8(m, n, k, cfg, seed=m * 100 + n)
-    _assert_matches("fp8_row", x, lv, out)
+    _assert_matches("fp8", x, lv, out)
 
 
 def test_decode_tile_fp8_is_exact_and_permuted():
     codes = _random_fp8_tile(np.random.default_rng(5), 8, 64)
     got = np.asarray(GM.decode_tile_fp8(jnp.asarray(codes)), np.float64)
     want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    perm = GM._k_permutation("fp8_row")
+    perm = GM._k_permutation("fp8")
     np.testing.assert_array_equal(got, want.reshape(8, -1, 16)[:, :, perm].reshape(8, -1))
     xs = jnp.arange(64, dtype=jnp.float32)[None]
     np.testing.assert_array_equal(
-        np.asarray(GM.permute_k(xs, "fp8_row"))[0], np.arange(64).reshape(-1, 16)[:, perm].ravel()
+        np.asarray(GM.permute_k(xs, "fp8"))[0], np.arange(64).reshape(-1, 16)[:, perm].ravel()
     )
 
 
-def test_fp8_rejects_unprepared_and_bad_shapes():
+def test_fp8_rejects_unaligned_and_bad_shapes():
     rng = np.random.default_rng(0)
-    q, scale = leaves("fp8_row", 100, 200, rng)
+    q, scale = leaves("fp8", 100, 200, rng)
     x = jnp.zeros((1, 200), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"N=100, K=200.*prepare_fp8_row_mosaic"):
-        GM.fp8_row_gemv_mosaic(x, q, scale, interpret=True)
-    qp, sp = GM.prepare_fp8_row_mosaic(q, scale)
-    assert qp.shape == (104, 256) and sp.shape == (104,) and qp.dtype == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"TMA copies, got N=100, K=200"):
+        GM.fp8_row_gemv_mosaic(x, q, scale, interpret=INTERPRET)
+    qp, sp = _prepare_fp8_row(q, scale)
     with pytest.raises(ValueError, match="1 <= M <= 128"):
-        GM.fp8_row_gemv_mosaic(jnp.zeros((129, 200), jnp.bfloat16), qp, sp, interpret=True)
+        GM.fp8_row_gemv_mosaic(jnp.zeros((129, 200), jnp.bfloat16), qp, sp, interpret=INTERPRET)
     with pytest.raises(ValueError, match="K=100"):
-        GM.fp8_row_gemv_mosaic(jnp.zeros((1, 100), jnp.bfloat16), qp, sp, interpret=True)
+        GM.fp8_row_gemv_mosaic(jnp.zeros((1, 100), jnp.bfloat16), qp, sp, interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"scale must be \[104\]"):
-        GM.fp8_row_gemv_mosaic(x, qp, sp[:100], interpret=True)
-    with pytest.raises(ValueError, match="n=96"):
-        GM.fp8_row_gemv_mosaic(x, qp, sp, n=96, interpret=True)
+        GM.fp8_row_gemv_mosaic(x, qp, sp[:100], interpret=INTERPRET)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        GM.fp8_row_gemv_mosaic(x, qp.astype(jnp.bfloat16), sp, interpret=True)
+        GM.fp8_row_gemv_mosaic(x, qp.astype(jnp.bfloat16), sp, interpret=INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,8 +270,8 @@ def test_fp8_block_matches_reference(m, n, k, cfg):
     s = _spread_block_scales(rng, n, k)
     x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-20, 20, (m, 1)))
     x = x.astype(jnp.bfloat16)
-    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
-    out = GM.fp8_block_gemv_mosaic(x, qp, sp, n=n, config=cfg, interpret=True)
+    qp, sp = _prepare_fp8_block(q, s)
+    out = _fp8_block(x, qp, sp, n=n, config=cfg)
     _assert_matches("fp8_block", x, (q, s), out)
 
 
@@ -264,8 +287,8 @@ def test_fp8_block_scale_applies_per_block_in_f32():
     q = jnp.asarray(q, jnp.float8_e4m3fn)
     s = jnp.asarray([[2.0**-20, 1.0, 2.0**25], [2.0**-10, 3.0, 2.0**-24]], jnp.float32)
     x = np.kron(np.eye(3), np.ones((1, 128)))
-    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
-    out = GM.fp8_block_gemv_mosaic(jnp.asarray(x, jnp.bfloat16), qp, sp, n=n, interpret=True)
+    qp, sp = _prepare_fp8_block(q, s)
+    out = _fp8_block(jnp.asarray(x, jnp.bfloat16), qp, sp, n=n)
     oracle = x @ numpy_dequant("fp8_block", q, s).T
     np.testing.assert_allclose(np.asarray(out, np.float64), oracle, rtol=1e-7)
 
@@ -280,40 +303,34 @@ def test_fp8_block_row_alone_equals_row_of_96():
     s = jnp.asarray(2.0 ** rng.integers(-3, 4, (2, 2)), jnp.float32)
     x = jnp.asarray(rng.integers(-8, 9, (m, k)) * 2.0 ** rng.integers(-6, 6, (m, 1)))
     x = x.astype(jnp.bfloat16)
-    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
-    full = np.asarray(GM.fp8_block_gemv_mosaic(x, qp, sp, interpret=True))
+    qp, sp = _prepare_fp8_block(q, s)
+    full = np.asarray(_fp8_block(x, qp, sp))
     np.testing.assert_array_equal(
         full, np.asarray(x, np.float64) @ numpy_dequant("fp8_block", q, s).T
     )
     for r in (0, 37, 95):
-        one = GM.fp8_block_gemv_mosaic(x[r : r + 1], qp, sp, interpret=True)
+        one = _fp8_block(x[r : r + 1], qp, sp)
         np.testing.assert_array_equal(np.asarray(one)[0], full[r])
 
 
-def test_fp8_block_rejects_unprepared_and_bad_shapes():
+def test_fp8_block_rejects_unaligned_and_bad_shapes():
     rng = np.random.default_rng(0)
     q, s = leaves("fp8_block", 100, 200, rng)
     x = jnp.zeros((1, 200), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"N=100, K=200.*prepare_fp8_block_mosaic"):
-        GM.fp8_block_gemv_mosaic(x, q, s, interpret=True)
-    with pytest.raises(ValueError, match=r"scale_inv must be \[1, 2\]"):
-        GM.prepare_fp8_block_mosaic(q, s[:, :1])
-    qp, sp = GM.prepare_fp8_block_mosaic(q, s)
-    assert qp.shape == (104, 256) and sp.shape == (1, 2) and qp.dtype == jnp.float8_e4m3fn
-    np.testing.assert_array_equal(np.asarray(qp[100:]).view(np.uint8), 0)
+    with pytest.raises(ValueError, match=r"TMA copies, got N=100, K=200"):
+        GM.fp8_block_gemv_mosaic(x, q, s, interpret=INTERPRET)
+    qp, sp = _prepare_fp8_block(q, s)
     with pytest.raises(ValueError, match="1 <= M <= 128"):
-        GM.fp8_block_gemv_mosaic(jnp.zeros((129, 200), jnp.bfloat16), qp, sp, interpret=True)
+        GM.fp8_block_gemv_mosaic(jnp.zeros((129, 200), jnp.bfloat16), qp, sp, interpret=INTERPRET)
     with pytest.raises(ValueError, match="K=100"):
-        GM.fp8_block_gemv_mosaic(jnp.zeros((1, 100), jnp.bfloat16), qp, sp, interpret=True)
+        GM.fp8_block_gemv_mosaic(jnp.zeros((1, 100), jnp.bfloat16), qp, sp, interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"scale_inv must be \[1, 2\]"):
-        GM.fp8_block_gemv_mosaic(x, qp, sp[:, :1], interpret=True)
-    with pytest.raises(ValueError, match="n=96"):
-        GM.fp8_block_gemv_mosaic(x, qp, sp, n=96, interpret=True)
+        GM.fp8_block_gemv_mosaic(x, qp, sp[:, :1], interpret=INTERPRET)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        GM.fp8_block_gemv_mosaic(x, qp.astype(jnp.bfloat16), sp, interpret=True)
+        GM.fp8_block_gemv_mosaic(x, qp.astype(jnp.bfloat16), sp, interpret=INTERPRET)
     with pytest.raises(ValueError, match="block_n <= 128, got 256"):
         cfg = _CFG(block_n=256, block_k=256)
-        GM.fp8_block_gemv_mosaic(x, qp, sp, config=cfg, interpret=True)
+        GM.fp8_block_gemv_mosaic(x, qp, sp, config=cfg, interpret=INTERPRET)
 
 
 @pytest.mark.parametrize(
@@ -332,81 +349,26 @@ def test_fp8_block_lowers_for_cuda_on_cpu(m, n, k, cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused epilogue: final [M, N] orientation, factors applied in the kernel.
+# The epilogue: final [M, N] orientation, factors applied in the kernel.
 # ---------------------------------------------------------------------------------------------
 
 
-def _weights_for(fmt, n, k, rng, layout="checkpoint", cfg=None):
+def _weights_for(fmt, n, k, rng):
     """(reference leaves, kernel operands) for one random weight of ``fmt``."""
     lv = leaves(fmt, n, k, rng)
-    if fmt == "fp8_row":
-        return lv, GM.prepare_fp8_row_mosaic(*lv)
+    if fmt == "fp8":
+        return lv, _prepare_fp8_row(*lv)
     if fmt == "fp8_block":
-        return lv, GM.prepare_fp8_block_mosaic(*lv)
-    tile = dict(block_n=cfg.block_n, block_k=cfg.block_k) if layout == "tiled" else {}
-    return lv, (*GM.prepare_nvfp4_mosaic(lv[0], lv[1], layout=layout, **tile), lv[2])
+        return lv, _prepare_fp8_block(*lv)
+    return lv, (*_prepare_nvfp4(lv[0], lv[1]), lv[2])
 
 
-def _call(fmt, x, w, *, n, cfg, layout="checkpoint"):
-    if fmt == "fp8_row":
-        return GM.fp8_row_gemv_mosaic(x, *w, n=n, config=cfg, interpret=True)
-    if fmt == "fp8_block":
-        return GM.fp8_block_gemv_mosaic(x, *w, n=n, config=cfg, interpret=True)
-    return GM.nvfp4_gemv_mosaic(x, *w, n=n, layout=layout, config=cfg, interpret=True)
+def _call(fmt, x, w, *, n, cfg):
+    kernel = {"fp8": _fp8_row, "fp8_block": _fp8_block}.get(fmt, _nvfp4)
+    return kernel(x, *w, n=n, config=cfg)
 
 
-def _unfused(fmt, x, w, *, n, cfg, layout="checkpoint"):
-    """The earlier output path: the kernel's raw accumulator f32[N, m_pad], then XLA applies
-    the factors to the transposed slice (FP8: ``acc * scale[n] * xinv[row]``)."""
-    m = x.shape[0]
-    nw, kw = w[0].shape[0], w[0].shape[1] * (2 if fmt == "nvfp4" else 1)
-    if layout == "tiled":
-        nw, kw = w[0].shape[0] * w[0].shape[2], w[0].shape[1] * w[0].shape[3] * 2
-    x16, xinv = GM._prepare_x(x, kw, fmt)
-    kern = GM._build_kernel(m, nw, kw, cfg, True, layout, fmt=fmt, epilogue="transposed")
-    if fmt == "fp8_row":
-        out_t = kern(x16, C.as_u8(w[0]))
-        return (out_t[:n, :m] * w[1].astype(jnp.float32)[:n, None] * xinv[None, :]).T
-    out_t = kern(x16, w[0], C.as_u8(w[1]))
-    gscale = jnp.asarray(w[2], jnp.float32) * C.E2M1_F16_UNBIAS
-    return (out_t[:n, :m] * (xinv * gscale)[None, :]).T
-
-
-@pytest.mark.parametrize(
-    ("fmt", "m", "n", "k", "cfg", "layout"),
-    [
-        # M=5 (m_pad 8), odd N (1021 -> 1024), 16 full CTAs.
-        ("nvfp4", 5, 1021, 512, _CFG(block_n=64, block_k=256, stages=2), "checkpoint"),
-        # M=13 (m_pad 16), N=200 over two 128-row CTAs, the second partial.
-        ("nvfp4", 13, 200, 256, _CFG(block_n=128, block_k=256, stages=2), "relaid"),
-        # M=96, the default config (128 x 256), N padded to the tile.
-        ("nvfp4", 96, 130, 512, None, "tiled"),
-        # FP8: odd N (131 -> 136) over three 64-row CTAs (scales padded to 192 in the wrapper).
-        ("fp8_row", 7, 131, 256, _CFG(block_n=64, block_k=256, stages=2), "checkpoint"),
-        ("fp8_row", 33, 72, 384, _CFG(block_n=128, block_k=256, stages=2), "checkpoint"),
-    ],
-)
-def test_fused_epilogue_is_bit_identical_to_the_unfused_path(fmt, m, n, k, cfg, layout):
-    """Same kernel accumulator, factors applied in the same F32 order: the same bits, in the
-    [M, n] orientation, for M not a multiple of 8 and N not one of block_n."""
-    rng = np.random.default_rng(m * 7 + n)
-    if cfg is None:
-        cfg = GM.default_config(m, C.round_up(n, 8), k, fmt=fmt)
-    lv, w = _weights_for(fmt, n, k, rng, layout, cfg)
-    if fmt == "fp8_row":  # per-row scales over many binades, so row/column mix-ups show
-        s = np.asarray(w[1]) * 2.0 ** rng.integers(-20, 20, w[1].shape)
-        w = (w[0], jnp.asarray(s, jnp.float32))
-        lv = (lv[0], w[1][:n])
-    x = jnp.asarray(rng.standard_normal((m, k)) * 2.0 ** rng.integers(-30, 30, (m, 1)))
-    x = x.astype(jnp.bfloat16)
-    out = _call(fmt, x, w, n=n, cfg=cfg, layout=layout)
-    assert out.shape == (m, n) and out.dtype == jnp.float32
-    want = _unfused(fmt, x, w, n=n, cfg=cfg, layout=layout)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
-    _assert_matches(fmt, x, lv, out)
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block"])
 def test_output_orientation_with_one_hot_rows(fmt):
     """Row r of x picks column c_r of the weight: out[r, j] is exactly W[j, c_r] (power-of-two
     scales keep every product exact), so a transposed or shifted store cannot pass. Each row's
@@ -415,7 +377,7 @@ def test_output_orientation_with_one_hot_rows(fmt):
     rng = np.random.default_rng(11)
     m, n, k = 5, 131, 256
     lv, w = _weights_for(fmt, n, k, rng)
-    if fmt == "fp8_row":
+    if fmt == "fp8":
         s = jnp.asarray(2.0 ** rng.integers(-8, 8, w[1].shape), jnp.float32)
         w, lv = (w[0], s), (lv[0], s[:n])
     elif fmt == "fp8_block":  # [2, 2] block scales: each (row, column) block its own binade
@@ -431,13 +393,13 @@ def test_output_orientation_with_one_hot_rows(fmt):
     np.testing.assert_array_equal(out, want.astype(np.float32))
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row", "fp8_block"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block"])
 def test_a_row_depends_only_on_its_own_values(fmt):
     """At M=96 a row's bits do not change when every other row does (to other magnitudes).
 
     (A row alone vs inside 96 rows is not compared here: the interpreter's wgmma is an XLA:CPU
-    dot whose summation order depends on the MMA's N; ``scripts/bench_mosaic_gemv.py`` checks
-    it on the GPU.)"""
+    dot whose summation order depends on the MMA's N; the compiled kernel is checked on the GPU
+    by ``test_row_alone_equals_row_of_many_on_gpu``.)"""
     rng = np.random.default_rng(5)
     m, n, k = 96, 72, 256
     _, w = _weights_for(fmt, n, k, rng)
@@ -448,11 +410,6 @@ def test_a_row_depends_only_on_its_own_values(fmt):
     out_y = np.asarray(_call(fmt, jnp.asarray(y, jnp.bfloat16), w, n=n, cfg=None))
     np.testing.assert_array_equal(out_x[37], out_y[37])
     assert not np.array_equal(out_x[36], out_y[36])
-
-
-def test_build_kernel_rejects_unknown_epilogue():
-    with pytest.raises(ValueError, match="epilogue must be one of"):
-        GM._build_kernel(1, 64, 256, _CFG(), True, epilogue="scaled")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,12 +433,10 @@ def _random_tile(rng, rows, b):
     return codes, scale.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
-@pytest.mark.parametrize("layout", GM.WEIGHT_LAYOUTS)
-def test_decode_tile_is_exact_and_permuted(layout):
+def test_decode_tile_is_exact_and_permuted():
     rng = np.random.default_rng(0)
     codes, scale = _random_tile(rng, 16, 128)
-    stored = codes if layout == "checkpoint" else np.asarray(GM.relayout_words(jnp.asarray(codes)))
-    got = GM.decode_tile(jnp.asarray(stored), jnp.asarray(scale), layout=layout)
+    got = GM.decode_tile(jnp.asarray(codes), jnp.asarray(scale))
     got = np.asarray(got, np.float64)
     want = _f16_oracle(codes, scale)
     perm = GM._k_permutation()
@@ -493,22 +448,34 @@ def test_decode_tile_is_exact_and_permuted(layout):
     )
 
 
-@pytest.mark.parametrize("layout", GM.WEIGHT_LAYOUTS)
-def test_kernel_decode_words_match_the_decode_terms(layout):
-    """The kernel's op sequence (``_pair_words``; "checkpoint": nibble bytes and ``prmt``) makes
-    the pairs ``_DECODE_TERMS`` define, for random and edge-case words, in 11 integer ops
-    (each OR folds into a LOP3 with one of its ANDs)."""
+_IDX = 0x0E000E00  # index bits of a float16 pair (9..11 and 25..27)
+_SIGN = 0x80008000  # sign bits of a float16 pair (15 and 31)
+#: The specification of the four float16 pairs of a code word, as (shift, mask) terms OR-ed
+#: together (a positive shift is to the left): pair i is (lo b0, lo b2), (hi b0, hi b2),
+#: (lo b1, lo b3), (hi b1, hi b3), each needing a shift for its index bits and one for its sign.
+_DECODE_TERMS = (
+    ((9, _IDX), (12, _SIGN)),
+    ((5, _IDX), (8, _SIGN)),
+    ((1, _IDX), (4, _SIGN)),
+    ((-3, _IDX), (0, _SIGN)),
+)
+
+
+def test_kernel_decode_words_match_the_decode_terms():
+    """The kernel's op sequence (``_pair_words``: nibble bytes and ``prmt``) makes the pairs
+    ``_DECODE_TERMS`` define, for random and edge-case words, in 11 integer ops (each OR folds
+    into a LOP3 with one of its ANDs)."""
     rng = np.random.default_rng(1)
     w = rng.integers(0, 2**32, 1 << 16, dtype=np.uint64).astype(np.uint32)
     edge = [0, 0xFFFFFFFF, 0x88888888, 0x77777777, 0x0F0F0F0F, 0xF0F0F0F0, 0x80808080]
     w = np.concatenate([w, np.array(edge, np.uint32)])
     want = []
-    for terms in GM._DECODE_TERMS[layout]:
+    for terms in _DECODE_TERMS:
         bits = np.zeros_like(w)
         for shift, mask in terms:
             bits |= GM._shift(w, shift) & np.uint32(mask)
         want.append(bits)
-    got = GM._pair_words(w, layout)
+    got = GM._pair_words(w)
     for g, wt in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, wt)
     counts = dict(shift=0, band=0, bor=0, even_up=0)
@@ -526,7 +493,7 @@ def test_kernel_decode_words_match_the_decode_terms(layout):
         bor=lambda a, b: a | b,
         even_up=lambda v: (v << 8) & np.uint32(0xFF00FF00),
     )
-    GM._pair_words(w[:1], layout, **{k: counted(k, f) for k, f in ops.items()})
+    GM._pair_words(w[:1], **{k: counted(k, f) for k, f in ops.items()})
     assert counts["shift"] + counts["band"] + counts["even_up"] == 11
 
 
@@ -560,29 +527,29 @@ def _random_fp8_tile(rng, rows, b):
     return np.clip(v, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
 
 
-def _replay_pairs(fmt, layout, w, scale_byte):
+def _replay_pairs(fmt, w, scale_byte):
     """numpy twin of the GPU decode of one 32-bit code word: its float16 pairs, pair order."""
-    if fmt in ("fp8_row", "fp8_block"):
+    if fmt in ("fp8", "fp8_block"):
         b = np.array([w], "<u4").view(np.uint8)
         return [
             b[2 * u : 2 * u + 2].view(ml_dtypes.float8_e4m3fn).astype(np.float16) for u in (0, 1)
         ]
     s = np.array([scale_byte], np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float16)[0]
-    return [np.array([bits], np.uint32).view(np.float16) * s for bits in GM._pair_words(w, layout)]
+    return [np.array([bits], np.uint32).view(np.float16) * s for bits in GM._pair_words(w)]
 
 
 @pytest.mark.parametrize(
-    ("fmt", "block_n", "tile_bytes", "layout"),
+    ("fmt", "block_n", "tile_bytes"),
     [
-        ("nvfp4", 64, 128, "checkpoint"),
-        ("nvfp4", 128, 256, "relaid"),
+        ("nvfp4", 64, 128),
+        ("nvfp4", 128, 256),
         # The FP8 kernel loads its codes one 128-byte swizzle row (two chunks) at a time.
-        ("fp8_row", 64, 128, "checkpoint"),
-        ("fp8_row", 128, 128, "checkpoint"),
-        ("fp8_block", 64, 128, "checkpoint"),
+        ("fp8", 64, 128),
+        ("fp8", 128, 128),
+        ("fp8_block", 64, 128),
     ],
 )
-def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes, layout):
+def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes):
     """Replay the GPU decode (which registers feed which, the per-word decode) for all 128
     threads of a warpgroup in numpy and compare with the float64 oracle."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -592,8 +559,6 @@ def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes, layout)
     if fmt == "nvfp4":
         orig, scale = _random_tile(rng, block_n, tile_bytes)
         stored = orig
-        if layout != "checkpoint":
-            stored = np.asarray(GM.relayout_words(jnp.asarray(orig)))
         want = _f16_oracle(orig, scale)
     else:
         orig = stored = _random_fp8_tile(rng, block_n, tile_bytes)
@@ -614,7 +579,7 @@ def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes, layout)
                     row, col = divmod(r0 * tile_bytes + k0 + off_in, tile_bytes)
                     w = np.uint32(stored[row, col : col + 4].view("<u4")[0])
                     sb = None if scale is None else scale[row, col // 8]
-                    pairs = _replay_pairs(fmt, layout, w, sb)
+                    pairs = _replay_pairs(fmt, w, sb)
                     for out_reg, i in slots:
                         o_r0, o_c0 = out_origin[out_reg]
                         orow, ocol = divmod(o_r0 * 64 + o_c0 + off_out, 64)
@@ -652,31 +617,23 @@ def test_nvfp4_rejects_the_fp8_only_k_step():
         GM.nvfp4_gemv_mosaic(x, packed, scale, jnp.float32(1.0), config=cfg)
 
 
-def test_rejects_unprepared_and_bad_shapes():
+def test_rejects_unaligned_and_bad_shapes():
     rng = np.random.default_rng(0)
     packed, scale, s2 = leaves("nvfp4", 100, 272, rng)
     x = jnp.zeros((1, 272), jnp.bfloat16)
-    with pytest.raises(ValueError, match="prepare_nvfp4_mosaic"):
-        GM.nvfp4_gemv_mosaic(x, packed, scale, s2, interpret=True)
-    p, s = GM.prepare_nvfp4_mosaic(packed, scale)
+    with pytest.raises(ValueError, match="TMA copies, got N=100, K=272"):
+        GM.nvfp4_gemv_mosaic(x, packed, scale, s2, interpret=INTERPRET)
+    p, s = _prepare_nvfp4(packed, scale)
     assert p.shape == (104, 256) and s.shape == (104, 32)
     with pytest.raises(ValueError, match="1 <= M <= 128"):
-        GM.nvfp4_gemv_mosaic(jnp.zeros((129, 272), jnp.bfloat16), p, s, s2, interpret=True)
+        GM.nvfp4_gemv_mosaic(jnp.zeros((129, 272), jnp.bfloat16), p, s, s2, interpret=INTERPRET)
     with pytest.raises(ValueError, match="K=200"):
-        GM.nvfp4_gemv_mosaic(jnp.zeros((1, 200), jnp.bfloat16), p, s, s2, interpret=True)
-    with pytest.raises(ValueError, match="n=90"):
-        GM.nvfp4_gemv_mosaic(x, p, s, s2, n=90, interpret=True)
-    with pytest.raises(ValueError, match="layout"):
-        GM.nvfp4_gemv_mosaic(x, p, s, s2, layout="swizzled", interpret=True)
-    tp, ts = GM.prepare_nvfp4_mosaic(packed, scale, layout="tiled", block_n=64, block_k=512)
-    with pytest.raises(ValueError, match="must match the weight's 64x512"):
-        cfg = GM.MosaicGemvConfig(block_n=128, block_k=512)
-        GM.nvfp4_gemv_mosaic(x, tp, ts, s2, layout="tiled", config=cfg, interpret=True)
-    with pytest.raises(ValueError, match="4-D"):
-        GM.nvfp4_gemv_mosaic(x, p, s, s2, layout="tiled", interpret=True)
+        GM.nvfp4_gemv_mosaic(jnp.zeros((1, 200), jnp.bfloat16), p, s, s2, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="scale must be"):
+        GM.nvfp4_gemv_mosaic(x, p, s[:, :16], s2, interpret=INTERPRET)
 
 
-def _lower_cuda(m, n, k, cfg, layout="checkpoint", fmt="nvfp4"):
+def _lower_cuda(m, n, k, cfg, fmt="nvfp4"):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     if fmt == "fp8_block":
         args = (
@@ -688,7 +645,7 @@ def _lower_cuda(m, n, k, cfg, layout="checkpoint", fmt="nvfp4"):
         def f(*a):
             return GM.fp8_block_gemv_mosaic(*a, config=cfg)
 
-    elif fmt == "fp8_row":
+    elif fmt == "fp8":
         args = (
             x,
             jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
@@ -699,11 +656,7 @@ def _lower_cuda(m, n, k, cfg, layout="checkpoint", fmt="nvfp4"):
             return GM.fp8_row_gemv_mosaic(*a, config=cfg)
 
     else:
-        if layout == "tiled":
-            bn, bk = cfg.block_n, cfg.block_k
-            w_shapes = ((n // bn, k // bk, bn, bk // 2), (n // bn, k // bk, bn, bk // 16))
-        else:
-            w_shapes = ((n, k // 2), (n, k // 16))
+        w_shapes = ((n, k // 2), (n, k // 16))
         args = (
             x,
             jax.ShapeDtypeStruct(w_shapes[0], jnp.uint8),
@@ -712,7 +665,7 @@ def _lower_cuda(m, n, k, cfg, layout="checkpoint", fmt="nvfp4"):
         )
 
         def f(*a):
-            return GM.nvfp4_gemv_mosaic(*a, layout=layout, config=cfg)
+            return GM.nvfp4_gemv_mosaic(*a, config=cfg)
 
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -733,25 +686,25 @@ def _lowered_smem_bytes(m, n, k, cfg, fmt="nvfp4"):
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "cfg", "layout"),
+    ("m", "n", "k", "cfg"),
     [
-        (1, 248320, 5120, GM.MosaicGemvConfig(block_n=64, block_k=512, stages=2), "tiled"),
-        (2, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=512, stages=4), "checkpoint"),
-        (8, 17408, 5120, GM.MosaicGemvConfig(block_n=64, block_k=256, stages=4), "relaid"),
-        (16, 1024, 512, GM.MosaicGemvConfig(block_n=256, block_k=512, stages=2), "checkpoint"),
-        # The verify regime and the B=64 propose head on the LM head, default configs.
-        (96, 248320, 5120, None, "checkpoint"),
-        (128, 248320, 5120, None, "checkpoint"),
-        (64, 248320, 5120, None, "relaid"),
-        (96, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=256, stages=2), "tiled"),
+        (1, 248320, 5120, GM.MosaicGemvConfig(block_n=64, block_k=512, stages=2)),
+        (2, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=512, stages=4)),
+        (8, 17408, 5120, GM.MosaicGemvConfig(block_n=64, block_k=256, stages=4)),
+        (16, 1024, 512, GM.MosaicGemvConfig(block_n=256, block_k=512, stages=2)),
+        # Verify-sized and B=64 propose-sized rows on the LM head, default configs.
+        (96, 248320, 5120, None),
+        (128, 248320, 5120, None),
+        (64, 248320, 5120, None),
+        (96, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=256, stages=2)),
     ],
 )
-def test_lowers_for_cuda_on_cpu(m, n, k, cfg, layout):
+def test_lowers_for_cuda_on_cpu(m, n, k, cfg):
     """Pallas -> Mosaic GPU (sm_90) lowering incl. the register decode, without a GPU.
 
     PTX generation and ptxas run only when a GPU compiles the module.
     """
-    text = _lower_cuda(m, n, k, cfg, layout)
+    text = _lower_cuda(m, n, k, cfg)
     assert "mosaic_gpu" in text
 
 
@@ -767,7 +720,7 @@ def test_lowers_for_cuda_on_cpu(m, n, k, cfg, layout):
     ],
 )
 def test_fp8_lowers_for_cuda_on_cpu(m, n, k):
-    assert "mosaic_gpu" in _lower_cuda(m, n, k, None, fmt="fp8_row")
+    assert "mosaic_gpu" in _lower_cuda(m, n, k, None, fmt="fp8")
 
 
 @pytest.mark.parametrize(
@@ -777,8 +730,8 @@ def test_fp8_lowers_for_cuda_on_cpu(m, n, k):
         ("nvfp4", 32, 50),  # 64 x 256: 2 x (8 + 1 + 16)
         ("nvfp4", 96, 132),  # 128 x 256: 2 x (16 + 2 + 48)
         ("nvfp4", 128, 164),  # 128 x 256: 2 x (16 + 2 + 64)
-        ("fp8_row", 1, 40),  # 2 x (16 KB codes + 4 KB x): 5 CTAs per SM
-        ("fp8_row", 96, 80),  # 128 x 128: 2 x (16 + 24): 2 CTAs per SM
+        ("fp8", 1, 40),  # 2 x (16 KB codes + 4 KB x): 5 CTAs per SM
+        ("fp8", 96, 80),  # 128 x 128: 2 x (16 + 24): 2 CTAs per SM
         ("fp8_block", 1, 40),  # 64 x 256: 2 x (16 + 4)
         ("fp8_block", 96, 64),  # 64 x 128: 2 x (8 + 24): 3 CTAs per SM
         ("fp8_block", 128, 80),  # 64 x 128: 2 x (8 + 32)
@@ -797,23 +750,18 @@ def test_lowering_reports_shared_memory_overflow():
         _lower_cuda(1, 1024, 2048, cfg)
     cfg = GM.MosaicGemvConfig(block_n=64, block_k=512, stages=2)  # x alone: 2 x 128 KB
     with pytest.raises(ValueError, match="shared memory"):
-        _lower_cuda(128, 1024, 2048, cfg, fmt="fp8_row")
+        _lower_cuda(128, 1024, 2048, cfg, fmt="fp8")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8_row"])
-def test_timing_baselines_lower_for_cuda_on_cpu(fmt):
-    """The earlier kernel (transposed raw output, 15-op checkpoint decode) that
-    ``scripts/bench_mosaic_gemv.py`` times beside the fused one still lowers."""
-    m, n, k = 1, 248320, 5120
-    cfg = GM.default_config(m, n, k, fmt=fmt)
-    kern = GM._build_kernel(m, n, k, cfg, False, fmt=fmt, epilogue="transposed", terms_decode=True)
-    x = jax.ShapeDtypeStruct((8, k), jnp.float16)
-    if fmt == "nvfp4":
-        w = (
-            jax.ShapeDtypeStruct((n, k // 2), jnp.uint8),
-            jax.ShapeDtypeStruct((n, k // 16), jnp.uint8),
-        )
-    else:
-        w = (jax.ShapeDtypeStruct((n, k), jnp.uint8),)
-    text = jax.jit(kern).trace(x, *w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block"])
+def test_row_alone_equals_row_of_many_on_gpu(fmt):
+    """Compiled, a row's result does not depend on how many rows share the call (decode, verify
+    and a batch score it alike); the interpreter's dot cannot show this."""
+    rng = np.random.default_rng(9)
+    _, w = _weights_for(fmt, 1024, 512, rng)
+    x = jnp.asarray(rng.standard_normal((96, 512)), jnp.bfloat16)
+    full = np.asarray(_call(fmt, x, w, n=1024, cfg=None))
+    for r in (0, 37, 95):
+        one = np.asarray(_call(fmt, x[r : r + 1], w, n=1024, cfg=None))
+        np.testing.assert_array_equal(one[0], full[r])

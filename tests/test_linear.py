@@ -1,6 +1,6 @@
 """``linear``: every format against a float64 numpy product, dispatch, errors, trace counts."""
 
-import importlib
+import types
 
 import chex
 import jax
@@ -13,17 +13,12 @@ from mtpjax.weights import (
     Bf16Weight,
     Fp8BlockWeight,
     Fp8RowWeight,
-    RowsRegime,
-    WeightFormat,
     dequantize,
     linear,
     linear_reference,
     quantize,
-    register_kernel,
-    rows_regime,
 )
-
-linear_module = importlib.import_module("mtpjax.weights.linear")
+from pallas_kernels import MOSAIC_GPU, TRITON, linear_backend
 
 F32_U = 2.0**-24  # unit roundoff of F32 accumulation
 BF16_U = 2.0**-8  # relative bound of one round-to-nearest into BF16 (8 significant bits)
@@ -71,12 +66,6 @@ def _reference_and_bound(x, w):
     steps = k + 2 + (2 * w.scale_inv.shape[-1] if isinstance(w, Fp8BlockWeight) else 0)
     bound = steps * F32_U * (np.abs(x64) @ np.abs(w64).T)
     return x64 @ w64.T, bound
-
-
-@pytest.fixture
-def empty_kernel_table(monkeypatch):
-    """Run with no Pallas kernels registered, whatever other modules registered."""
-    monkeypatch.setattr(linear_module, "_KERNELS", {})
 
 
 @pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
@@ -146,58 +135,51 @@ def test_input_errors():
         linear(jnp.ones((2, 48)), w, implementation="cuda")
 
 
-@pytest.mark.usefixtures("empty_kernel_table")
-def test_pallas_without_kernel_raises():
-    w = _weight("nvfp4")
-    with pytest.raises(NotImplementedError, match=r"nvfp4.*gemv"):
-        linear(jnp.ones((1, 48)), w, implementation="pallas")
-    # auto falls back to XLA when nothing is registered.
-    np.testing.assert_array_equal(
-        np.asarray(linear(jnp.ones((1, 48)), w)), np.asarray(linear_reference(jnp.ones((1, 48)), w))
-    )
+def _gpu(cc: str):
+    """A stand-in CUDA device of compute capability ``cc``."""
+    return types.SimpleNamespace(platform="gpu", compute_capability=cc)
 
 
-def test_rows_regime_boundaries():
-    got = [rows_regime(m) for m in (1, 2, 8, 9, 96, 97, 4096)]
-    r = RowsRegime
-    assert got == [r.GEMV, r.BATCHED_GEMV, r.BATCHED_GEMV, r.TILE_GEMM, r.TILE_GEMM, r.GEMM, r.GEMM]
+def test_mosaic_needs_sm90_and_auto_falls_back_to_the_reference(monkeypatch):
+    w = quantize(np.ones((64, 256), np.float32), "nvfp4")
+    assert not MOSAIC_GPU.supported_on(_gpu("8.0"))
+    assert MOSAIC_GPU.supported_on(_gpu("9.0"))
+    assert not MOSAIC_GPU.supported_on(_gpu("10.0"))
+    assert not MOSAIC_GPU.supported_on(types.SimpleNamespace(platform="cpu"))
+    assert not TRITON.supported_on(_gpu("8.0")) and TRITON.supported_on(_gpu("9.0"))
+    assert linear_backend(4, w, "auto", device=_gpu("9.0")) is MOSAIC_GPU
+    assert linear_backend(4, w, "auto", device=_gpu("8.0")) is None
+    with pytest.raises(NotImplementedError, match=r"mosaic_gpu.*triton"):
+        linear_backend(4, w, "pallas", device=_gpu("8.0"))
+    # linear itself on the sm_80 stand-in: AUTO runs the reference.
+    import pallas_kernels._common as common
+
+    monkeypatch.setattr(common, "default_device", lambda: _gpu("8.0"))
+    x = jnp.ones((4, 256), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(linear(x, w)), np.asarray(linear_reference(x, w)))
 
 
-@pytest.mark.usefixtures("empty_kernel_table")
-def test_registered_kernel_dispatch():
-    calls = []
-
-    def fake(x, w, *, out_dtype, interpret):
-        calls.append((x.shape, interpret, jnp.dtype(out_dtype)))
-        return linear_reference(x, w, out_dtype=out_dtype) + 1.0
-
-    for regime in RowsRegime:
-        register_kernel(WeightFormat.FP8, regime, fake)
-    with pytest.raises(ValueError, match="already registered"):
-        register_kernel("fp8", "gemv", fake)
-    register_kernel("fp8", "gemv", fake, replace=True)
-
-    w = _weight("fp8")
-    for lead, regime_rows in [((1,), 1), ((5,), 5), ((4, 5), 20), ((200,), 200)]:
-        x = _x(lead, w.in_features, jnp.float32)
-        y = linear(x, w, implementation="pallas")
-        # The kernel sees x flattened to [M, K]; off-GPU it is asked for interpret mode.
-        assert calls[-1] == ((regime_rows, w.in_features), True, jnp.dtype(jnp.float32))
-        np.testing.assert_array_equal(np.asarray(y), np.asarray(linear_reference(x, w)) + 1.0)
-    # auto stays on XLA off-GPU even with a kernel registered.
-    n_calls = len(calls)
-    linear(_x((1,), w.in_features, jnp.float32), w)
-    assert len(calls) == n_calls
-    # Other formats still have no kernel.
-    with pytest.raises(NotImplementedError, match="bf16"):
-        linear(jnp.ones((1, 45)), _weight("bf16"), implementation="pallas")
-
-
-@pytest.mark.usefixtures("empty_kernel_table")
-def test_kernel_with_wrong_output_is_rejected():
-    register_kernel("bf16", "gemv", lambda x, w, *, out_dtype, interpret: x[:, :3])
-    with pytest.raises(ValueError, match="returned"):
-        linear(jnp.ones((1, 45)), _weight("bf16"), implementation="pallas")
+def test_dispatch_keeps_the_measured_backend_per_shape():
+    """Mosaic for aligned quantised weights at every row count; Triton for the rest."""
+    h100 = _gpu("9.0")
+    for fmt in ("nvfp4", "fp8", "fp8_block"):
+        w = quantize(np.ones((200, 256), np.float32), fmt)
+        for rows in (1, 9, 96, 500):
+            assert linear_backend(rows, w, device=h100) is MOSAIC_GPU
+        odd = quantize(np.ones((203, 384 if fmt != "nvfp4" else 400), np.float32), fmt)
+        assert linear_backend(5, odd, device=h100) is TRITON
+        assert "N % 8" in MOSAIC_GPU.supports(5, odd)
+    bf16 = quantize(np.ones((200, 256), np.float32), "bf16")
+    assert linear_backend(3, bf16, device=h100) is TRITON
+    assert linear_backend(3, bf16, "xla", device=h100) is None
+    # Off a GPU AUTO is the reference and PALLAS the interpret-mode backend.
+    assert linear_backend(3, bf16) is None or jax.default_backend() == "gpu"
+    # TRITON / MOSAIC_GPU force one backend.
+    nvfp4 = quantize(np.ones((200, 256), np.float32), "nvfp4")
+    assert linear_backend(3, nvfp4, "triton", device=h100) is TRITON
+    assert linear_backend(3, nvfp4, "MOSAIC_GPU", device=h100) is MOSAIC_GPU
+    with pytest.raises(NotImplementedError, match="no Mosaic GEMV for bf16"):
+        linear_backend(3, bf16, "mosaic_gpu", device=h100)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_block", "nvfp4"])

@@ -106,7 +106,7 @@ def _fp8_block_np(w):
 
 
 def _dequant64(qw):
-    """Float64 dequantisation straight from the leaves, per DESIGN §3."""
+    """Float64 dequantisation straight from the leaves."""
     if isinstance(qw, Bf16Weight):
         return np.asarray(qw.w).astype(np.float64)
     if isinstance(qw, Fp8RowWeight):

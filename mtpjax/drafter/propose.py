@@ -186,7 +186,7 @@ def paged_attention(q: jax.Array, cache: PagedKVCache, *, implementation="auto")
         impl is Implementation.AUTO and _on_gpu() and unsupported is None
     )
     if use_kernel:
-        from pallas_kernels.paged_attention import paged_attention as kernel
+        from pallas_kernels._paged_attention.triton import paged_attention as kernel
 
         return kernel(
             q,

@@ -1,7 +1,20 @@
 """Weight formats (BF16, FP8 per-row, FP8 block-128, NVFP4), quantisation, precision rules and
-``linear``, the one entry point that multiplies activations by any of them."""
+``linear``, the one entry point that multiplies activations by any of them.
 
-from mtpjax.weights.formats import (
+The weight pytrees and ``linear`` are ``pallas_kernels``' (the op's operand contract); they are
+re-exported here with the quantisation and precision rules built on them.
+"""
+
+from mtpjax.weights._precision import (
+    Precision,
+    Projection,
+    parse_precision,
+    parse_projection,
+    projection_format,
+    supports_drafter_prefill,
+)
+from mtpjax.weights._quantize import dequantize, encode_e2m1, pack_e2m1, quantize
+from pallas_kernels import (
     E2M1_MAX,
     E2M1_VALUES,
     E4M3_MAX,
@@ -10,34 +23,13 @@ from mtpjax.weights.formats import (
     Bf16Weight,
     Fp8BlockWeight,
     Fp8RowWeight,
+    Implementation,
     Nvfp4Weight,
     Weight,
     WeightFormat,
-)
-from mtpjax.weights.linear import (
-    Implementation,
-    LinearKernel,
-    RowsRegime,
+    decode_e2m1,
     linear,
     linear_reference,
-    register_kernel,
-    registered_kernels,
-    rows_regime,
-)
-from mtpjax.weights.precision import (
-    Precision,
-    Projection,
-    parse_precision,
-    parse_projection,
-    projection_format,
-    supports_drafter_prefill,
-)
-from mtpjax.weights.quantize import (
-    decode_e2m1,
-    dequantize,
-    encode_e2m1,
-    pack_e2m1,
-    quantize,
     unpack_e2m1,
 )
 
@@ -51,11 +43,9 @@ __all__ = [
     "Fp8BlockWeight",
     "Fp8RowWeight",
     "Implementation",
-    "LinearKernel",
     "Nvfp4Weight",
     "Precision",
     "Projection",
-    "RowsRegime",
     "Weight",
     "WeightFormat",
     "decode_e2m1",
@@ -68,9 +58,6 @@ __all__ = [
     "parse_projection",
     "projection_format",
     "quantize",
-    "register_kernel",
-    "registered_kernels",
-    "rows_regime",
     "supports_drafter_prefill",
     "unpack_e2m1",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-from mtpjax.weights.formats import WeightFormat
+from pallas_kernels import WeightFormat
 
 __all__ = [
     "Precision",

@@ -1,13 +1,13 @@
 """Vocab-parallel LM head: each device projects a contiguous slice of the vocabulary.
 
 ``shard_lm_head(params, mesh, axis_name)`` pads the head's rows to ``Vp`` and places rows
-``[d * Vl, (d + 1) * Vl)`` on device ``d`` of the mesh axis (``Vl = Vp / D``); the transposed
-verify copy, when present, is split the same way by columns. ``sharded_lm_head`` then runs the
-replicated head's own projection (``lm_head._project``) on each slice under ``jax.shard_map``:
+``[d * Vl, (d + 1) * Vl)`` on device ``d`` of the mesh axis (``Vl = Vp / D``).
+``sharded_lm_head`` then runs the replicated head's own projection (``_project``) on each slice
+under ``jax.shard_map``:
 
 - logits: every column is computed by the same code on the same hidden rows as in the replicated
   head, only on a different device, so the assembled logits are bit-identical to
-  ``lm_head(...)`` for the same tier and implementation (the tests check it on 2, 4 and 8
+  ``lm_head(...)`` for the same implementation (the tests check it on 2, 4 and 8
   devices). This rests on ``hidden`` being bit-identical on every device, which a replicated
   input guarantees.
 - greedy: each device takes the max / first argmax / sum of ``exp(logit - global max)`` over its
@@ -25,8 +25,8 @@ The embedding stays replicated: ``embed(sharded_params, tokens, cfg=cfg)`` works
 Shape glossary:
   ...  leading dims of hidden, flattened to M rows       H   hidden_size
   V    vocab_size        V'  draft vocab                  D   devices on the mesh axis
-  Vp   padded vocab: a multiple of D, and of 128 * D when each slice must hold whole 128-row
-       tiles (a block-128 FP8 head, or a verify copy)    Vl  Vp / D rows per device
+  Vp   padded vocab: a multiple of D (of 128 * D for a block-128 FP8 head, whose slices hold
+       whole 128-row tiles)                              Vl  Vp / D rows per device
 """
 
 from __future__ import annotations
@@ -40,26 +40,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from mtpjax.config import LMHeadConfig
-from mtpjax.head.lm_head import (
-    VERIFY_COLUMN_ALIGN,
-    Bf16VerifyWeight,
-    Fp8BlockVerifyWeight,
-    Fp8RowVerifyWeight,
-    HeadTier,
+from mtpjax.head._lm_head import (
     LMHeadParams,
-    Nvfp4VerifyWeight,
-    VerifyWeight,
     _check_cfg_shape,
     _check_head_weight,
     _check_hidden,
     _finish_logits,
     _output_columns,
     _pad_rows,
-    _parse_implementation,
     _project,
-    _resolve_tier,
     _round_up,
-    build_verify_copy,
 )
 from mtpjax.weights import (
     FP8_BLOCK,
@@ -88,14 +78,12 @@ class ShardedLMHeadParams:
     weight:        [Vp, H] rows split over ``axis_name`` (zero rows past V).
     embedding:     bf16[V, H] replicated.
     final_norm:    [H] replicated, or None.
-    verify_weight: [H, Vp] transposed copy, columns split over ``axis_name``, or None.
     mesh, axis_name, vocab_size (V): static.
     """
 
     weight: Weight
     embedding: jax.Array
     final_norm: jax.Array | None = None
-    verify_weight: VerifyWeight | None = None
     mesh: Mesh = dataclasses.field(metadata=dict(static=True))
     axis_name: str = dataclasses.field(metadata=dict(static=True))
     vocab_size: int = dataclasses.field(metadata=dict(static=True))
@@ -125,12 +113,12 @@ class HeadOutput:
     logprob: jax.Array
 
 
-def padded_vocab(weight: Weight, num_shards: int, *, whole_tiles: bool) -> int:
-    """Rows after padding: a multiple of ``num_shards``, and of 128 per shard when
-    ``whole_tiles`` or when the head is block-128 FP8 (a shard must hold whole scale tiles)."""
+def padded_vocab(weight: Weight, num_shards: int) -> int:
+    """Rows after padding: a multiple of ``num_shards``, and of 128 per shard when the head is
+    block-128 FP8 (a shard must hold whole scale tiles)."""
     quantum = num_shards
-    if whole_tiles or isinstance(weight, Fp8BlockWeight):
-        quantum *= VERIFY_COLUMN_ALIGN
+    if isinstance(weight, Fp8BlockWeight):
+        quantum *= FP8_BLOCK
     return _round_up(weight.out_features, quantum)
 
 
@@ -160,18 +148,6 @@ def _row_specs(w: Weight, axis: str) -> Weight:
     return Nvfp4Weight(packed=rows, scale=rows, scale_2=P())
 
 
-def _column_specs(vw: VerifyWeight, axis: str) -> VerifyWeight:
-    """PartitionSpecs splitting a [H, Vp] copy's columns (and per-column scales) over ``axis``."""
-    cols = P(None, axis)
-    if isinstance(vw, Bf16VerifyWeight):
-        return Bf16VerifyWeight(wt=cols)
-    if isinstance(vw, Fp8RowVerifyWeight):
-        return Fp8RowVerifyWeight(qt=cols, scale=P(axis))
-    if isinstance(vw, Fp8BlockVerifyWeight):
-        return Fp8BlockVerifyWeight(qt=cols, scale_inv_t=cols)
-    return Nvfp4VerifyWeight(packed_t=cols, scale_t=cols, scale_2=P())
-
-
 def _place(tree, specs, mesh: Mesh):
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
 
@@ -186,10 +162,8 @@ def shard_lm_head(params: LMHeadParams, mesh: Mesh, axis_name: str) -> ShardedLM
         raise ValueError(f"mesh has axes {tuple(mesh.shape)}; no axis named {axis_name!r}")
     _check_head_weight(params.weight)
     num_shards = mesh.shape[axis_name]
-    has_copy = params.verify_weight is not None
-    vp = padded_vocab(params.weight, num_shards, whole_tiles=has_copy)
+    vp = padded_vocab(params.weight, num_shards)
     weight = _pad_weight(params.weight, vp)
-    verify_weight = build_verify_copy(weight) if has_copy else None
     replicated = NamedSharding(mesh, P())
     return ShardedLMHeadParams(
         weight=_place(weight, _row_specs(weight, axis_name), mesh),
@@ -197,9 +171,6 @@ def shard_lm_head(params: LMHeadParams, mesh: Mesh, axis_name: str) -> ShardedLM
         final_norm=None
         if params.final_norm is None
         else jax.device_put(params.final_norm, replicated),
-        verify_weight=None
-        if verify_weight is None
-        else _place(verify_weight, _column_specs(verify_weight, axis_name), mesh),
         mesh=mesh,
         axis_name=axis_name,
         vocab_size=params.weight.out_features,
@@ -208,22 +179,17 @@ def shard_lm_head(params: LMHeadParams, mesh: Mesh, axis_name: str) -> ShardedLM
 
 def _local_head(
     weight: Weight,
-    verify_weight: VerifyWeight | None,
     x: jax.Array,
     *,
     cfg: LMHeadConfig,
     n_valid: int,
-    tier: HeadTier,
     implementation: Implementation,
     axis: str,
     with_logits: bool,
 ):
     """One device's slice: logits [M, Vl] and the combined greedy token / log-probability."""
     vl = weight.out_features
-    logits = _finish_logits(
-        _project(weight, verify_weight, x, n_cols=vl, tier=tier, implementation=implementation),
-        cfg,
-    )
+    logits = _finish_logits(_project(weight, x, n_cols=vl, implementation=implementation), cfg)
     offset = jax.lax.axis_index(axis) * vl
     ids = offset + jnp.arange(vl, dtype=jnp.int32)  # [Vl] global token ids of this slice
     scores = jnp.where(ids < n_valid, logits.astype(jnp.float32), -jnp.inf)  # [M, Vl]
@@ -238,16 +204,12 @@ def _local_head(
     return (logits if with_logits else None), token, logprob
 
 
-@functools.partial(
-    jax.jit, static_argnames=("cfg", "draft", "tier", "implementation", "with_logits")
-)
 def sharded_lm_head(
     params: ShardedLMHeadParams,
     hidden: jax.Array,
     *,
     cfg: LMHeadConfig,
     draft: bool = False,
-    tier: HeadTier | str | None = None,
     implementation: Implementation | str = Implementation.AUTO,
     with_logits: bool = True,
 ) -> HeadOutput:
@@ -256,28 +218,30 @@ def sharded_lm_head(
     Arguments as for ``lm_head``; ``with_logits=False`` returns only the token and its
     log-probability, and the full logits are never gathered.
     """
+    impl = Implementation.parse(implementation)
+    return _sharded_lm_head(
+        params, hidden, cfg=cfg, draft=draft, implementation=impl, with_logits=with_logits
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "draft", "implementation", "with_logits"))
+def _sharded_lm_head(params, hidden, *, cfg, draft, implementation, with_logits):
     hidden = jnp.asarray(hidden)
     _check_hidden(hidden, cfg)
     unpadded = (params.vocab_size, params.weight.shape[1])
     _check_cfg_shape(cfg, "ShardedLMHeadParams.weight before padding", unpadded)
-    impl = _parse_implementation(implementation)
     lead = hidden.shape[:-1]
     x = hidden.reshape(-1, cfg.hidden_size)
-    resolved = _resolve_tier(
-        tier, x.shape[0], params.verify_weight is not None, params.weight.format
-    )
     n = _output_columns(cfg, draft)
     axis = params.axis_name
     local = functools.partial(
         _local_head,
         cfg=cfg,
         n_valid=n,
-        tier=resolved,
-        implementation=impl,
+        implementation=implementation,
         axis=axis,
         with_logits=with_logits,
     )
-    has_copy = params.verify_weight is not None
     mesh = params.mesh
     # Every device must see the same rows (bit-identity rests on it), whatever x's placement.
     x = jax.sharding.reshard(x, NamedSharding(mesh, P()))
@@ -286,14 +250,10 @@ def sharded_lm_head(
     logits, token, logprob = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(
-            _row_specs(params.weight, axis),
-            _column_specs(params.verify_weight, axis) if has_copy else None,
-            P(),
-        ),
+        in_specs=(_row_specs(params.weight, axis), P()),
         out_specs=(P(None, axis) if with_logits else None, P(), P()),
         check_vma=False,
-    )(params.weight, params.verify_weight, x)
+    )(params.weight, x)
     if with_logits and n != params.padded_vocab:
         # An uneven split cannot be expressed, so a padded or reduced vocab is assembled
         # replicated before the padding is cut off; an exact split stays vocab-sharded.

@@ -1,4 +1,4 @@
-"""GEMV and batched GEMV over BF16, FP8 per-row, FP8 block-128 and NVFP4 weights.
+"""Triton backend of ``linear``: GEMV and batched GEMV over BF16, FP8 per-row, FP8 block-128 and NVFP4 weights.
 
 One kernel family: a grid over blocks of ``block_n`` weight rows (times ``split_k`` slices of K);
 each program streams its rows once, K in ``block_k`` steps, for every activation row at once, so
@@ -8,7 +8,7 @@ M = 2..32 rows cost one pass over the weight. Two ways to do the multiply-add:
 * ``compute="dot"``: dequantise to a float16 (BF16 for BF16 weights) tile and use the tensor
   cores with the rows padded to 16 (``pl.dot``), the batched-GEMV form.
 
-Shapes (DESIGN §3 leaf layouts):
+Shapes (the weight pytrees' leaves):
   x:         bf16[M, K]                      activations, M <= 32
   w:         bf16[N, K]                      BF16
   q, scale:  float8_e4m3fn[N, K], f32[N]      FP8 per-row
@@ -19,8 +19,7 @@ Shapes (DESIGN §3 leaf layouts):
 Numerics: weights are dequantised exactly (E2M1*E4M3 and E4M3 are exact in float16), products
 and sums are F32, and the F32 row/global scale is applied once at the end. The ``dot`` path
 scales each activation row by a power of two into float16 range first (exact for every bf16
-value that matters, see ``_common.to_f16_rowscaled``). Each kernel has a ``*_reference`` twin with
-the same signature in pure ``jnp`` that is the CPU fallback and the test oracle.
+value that matters, see ``_common.to_f16_rowscaled``). The oracle is ``linear``'s reference.
 """
 
 from __future__ import annotations
@@ -35,10 +34,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
+from pallas_kernels._linear.base import (
+    Bf16Weight,
+    Fp8BlockWeight,
+    Fp8RowWeight,
+    Weight,
+    compute_capability,
+)
 
-Format = Literal["bf16", "fp8_row", "fp8_block", "nvfp4"]
-FORMATS: tuple[str, ...] = ("bf16", "fp8_row", "fp8_block", "nvfp4")
 MAX_ROWS = 32
+#: BF16 and FP8 per-row weights take an XLA dot on BF16 operands from this many rows.
+DOT_FROM_ROWS = 9
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,9 +62,9 @@ class GemvConfig:
       decode: NVFP4 nibble decoder, "asm" (inline PTX) or "arith" (integer ops; also the
         interpret-mode path).
       prefetch: issue the loads of step i+1 before the math of step i (loop-carried registers).
-        On H200 it was 13-71% slower than Triton's own ``num_stages`` pipelining for the FMA and
-        plain-dot paths, and 22% faster for the NVFP4 dot path (where the decode sits between
-        the load and the dot), so the heuristic turns it on only there.
+        Measured on the H200 (see BENCHMARKS.md), Triton's own ``num_stages`` pipelining beats
+        it on the FMA and plain-dot paths; it helps the NVFP4 dot path, where the decode sits
+        between the load and the dot, so the heuristic turns it on only there.
     """
 
     block_n: int = 64
@@ -97,7 +103,7 @@ def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
         compute, block_n, block_k = "dot", 64, 128
     elif fmt == "fp8_block":
         compute, block_n, block_k = "dot", 64, 256
-    elif fmt == "fp8_row":
+    elif fmt == "fp8":
         compute, block_n, block_k = ("fma", 64, 512) if m <= 2 else ("dot", 64, 256)
         warps = 8 if compute == "fma" else 4
     else:
@@ -116,7 +122,6 @@ def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
         num_stages=3,
         compute=compute,
         decode="asm",
-        # Measured: prefetch helps only the NVFP4 tensor-core path (decode between load and dot).
         prefetch=fmt == "nvfp4" and compute == "dot",
     )
 
@@ -155,7 +160,7 @@ def _gemv_kernel(
     """
     if fmt == "nvfp4":
         xe_ref, xo_ref, xinv_ref, packed_ref, scale_ref, gscale_ref, o_ref = refs
-    elif fmt == "fp8_row":
+    elif fmt == "fp8":
         x_ref, xinv_ref, q_ref, rscale_ref, o_ref = refs
     elif fmt == "fp8_block":
         x_ref, xinv_ref, q_ref, sinv_ref, o_ref = refs
@@ -225,7 +230,7 @@ def _gemv_kernel(
                 s = sinv_ref[n0 // 128, jnp.minimum(i * (bk // 128) + c, kbs - 1)]
                 chunks.append((q, s, load_x(x_ref, kc, 128, 1)))
             return tuple(chunks)
-        src = q_ref if fmt == "fp8_row" else w_ref
+        src = q_ref if fmt == "fp8" else w_ref
         k0 = i * bk
         w = _masked_load(src.at[pl.ds(n0, bn), pl.ds(k0, bk)], rmask2(cmask(k0, bk, 1)))
         return w, load_x(x_ref, k0, bk, 1)
@@ -269,7 +274,7 @@ def _gemv_kernel(
                 acc = fma_rows(acc, w, xt, s) if fma else acc + dot_rows(w, xt) * s
             return acc
         w, xt = raw
-        if fmt == "fp8_row":
+        if fmt == "fp8":
             w = C.from_u8_e4m3(w, wdt)
         if fma:
             return fma_rows(acc, w.astype(jnp.float32), xt)
@@ -292,7 +297,7 @@ def _gemv_kernel(
 
     # Epilogue: per-row (weight) and per-activation-row scales, then a masked store.
     row_scale = None
-    if fmt == "fp8_row":
+    if fmt == "fp8":
         row_scale = _masked_load(rscale_ref.at[pl.ds(n0, bn)], row_ok)
     gscale = None
     if fmt == "nvfp4":
@@ -328,7 +333,7 @@ def _gemv(
         raise ValueError(f"x must be [M, {k}], got {x.shape}")
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"GEMV kernels take 1..{MAX_ROWS} rows, got {m}; use verify_gemm")
+        raise ValueError(f"GEMV kernels take 1..{MAX_ROWS} rows, got {m}")
     cfg = config or default_config(fmt, m, n, k)
     if fmt == "fp8_block" and (cfg.block_n > 128 or cfg.block_k % 128):
         raise ValueError("FP8 block-128 needs block_n <= 128 and block_k a multiple of 128")
@@ -386,101 +391,65 @@ def _gemv(
 
 
 # ---------------------------------------------------------------------------------------------
-# Public kernels and their references.
+# The backend.
 # ---------------------------------------------------------------------------------------------
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def bf16_gemv(
-    x: jax.Array, w: jax.Array, *, config: GemvConfig | None = None, interpret: bool = False
+def gemv(
+    x: jax.Array, w: Weight, *, config: GemvConfig | None = None, interpret: bool = False
 ) -> jax.Array:
-    """``x @ w.T`` for x bf16[M, K] (M <= 32), w bf16[N, K] -> f32[M, N]."""
+    """``x: bf16[M, K]`` (M <= 32) times one ``[N, K]`` weight of any format -> f32[M, N]."""
     n, k = w.shape
-    return _gemv("bf16", x, (w,), n, k, config, interpret)
+    if isinstance(w, Bf16Weight):
+        leaves = (w.w,)
+    elif isinstance(w, Fp8RowWeight):
+        leaves = (C.as_u8(w.q), w.scale)
+    elif isinstance(w, Fp8BlockWeight):
+        leaves = (C.as_u8(w.q), w.scale_inv)
+    else:
+        leaves = (w.packed.reshape(n, k // 16, 8), C.as_u8(w.scale), w.scale_2.reshape(1))
+    return _gemv(w.format.value, x, leaves, n, k, config, interpret)
 
 
-def bf16_gemv_reference(x, w, *, config=None, interpret=False):
-    del config, interpret
-    return jnp.dot(
-        x.astype(jnp.float32), w.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST
-    )
+def bf16_operands_dot(x: jax.Array, w: Bf16Weight | Fp8RowWeight) -> jax.Array:
+    """``x @ w.T`` as one XLA dot on BF16 operands, F32 accumulation: f32[M, N].
 
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def fp8_row_gemv(
-    x: jax.Array,
-    q: jax.Array,
-    scale: jax.Array,
-    *,
-    config: GemvConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """``x @ (q * scale[:, None]).T`` for q float8_e4m3fn[N, K], scale f32[N] -> f32[M, N]."""
-    n, k = q.shape
-    return _gemv("fp8_row", x, (C.as_u8(q), scale.astype(jnp.float32)), n, k, config, interpret)
-
-
-def fp8_row_gemv_reference(x, q, scale, *, config=None, interpret=False):
-    del config, interpret
-    w = q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
-    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def fp8_block_gemv(
-    x: jax.Array,
-    q: jax.Array,
-    scale_inv: jax.Array,
-    *,
-    config: GemvConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """``x @ w.T`` with ``w = q * scale_inv[n // 128, k // 128]`` -> f32[M, N]."""
-    n, k = q.shape
-    if scale_inv.shape != (C.cdiv(n, 128), C.cdiv(k, 128)):
-        raise ValueError(f"scale_inv must be [{C.cdiv(n, 128)}, {C.cdiv(k, 128)}]")
-    sinv = scale_inv.astype(jnp.float32)
-    return _gemv("fp8_block", x, (C.as_u8(q), sinv), n, k, config, interpret)
-
-
-def fp8_block_gemv_reference(x, q, scale_inv, *, config=None, interpret=False):
-    del config, interpret
-    w = C.dequant_fp8_block(q, scale_inv)
-    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def nvfp4_gemv(
-    x: jax.Array,
-    packed: jax.Array,
-    scale: jax.Array,
-    scale_2: jax.Array,
-    *,
-    config: GemvConfig | None = None,
-    interpret: bool = False,
-) -> jax.Array:
-    """NVFP4 W4A16: x bf16[M, K] times packed uint8[N, K/2] / scale f8[N, K/16] / scale_2 f32[].
-
-    Returns f32[M, N]. K must be a multiple of 16.
+    FP8 codes are exact in BF16 (widened inside the dot's fusion); the row scale comes after.
     """
-    n, kh = packed.shape
-    k = kh * 2
-    if k % 16 or scale.shape != (n, k // 16):
-        raise ValueError(f"NVFP4 needs K % 16 == 0 and scale [{n}, {k // 16}], got {scale.shape}")
-    gs = jnp.asarray(scale_2, jnp.float32).reshape(1)
-    packed3 = packed.reshape(n, k // 16, 8)
-    return _gemv("nvfp4", x, (packed3, C.as_u8(scale), gs), n, k, config, interpret)
+    xb = x.astype(jnp.bfloat16)
+    wb = w.w if isinstance(w, Bf16Weight) else w.q.astype(jnp.bfloat16)
+    y = jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y if isinstance(w, Bf16Weight) else y * w.scale
 
 
-def nvfp4_gemv_reference(x, packed, scale, scale_2, *, config=None, interpret=False):
-    del config, interpret
-    w = C.dequant_nvfp4(packed, scale, scale_2)
-    return jnp.dot(x.astype(jnp.float32), w.T, precision=jax.lax.Precision.HIGHEST)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonLinear:
+    """The Triton GEMV for up to 32 rows at a time (row chunks beyond).
+
+    Row heuristic (measured on the H200): BF16 and FP8 per-row weights take the GEMV for 1..8
+    rows and from 9 rows one XLA dot on BF16 operands (FP8 widened inside its fusion). NVFP4 and
+    FP8 block-128 have no fused XLA decode (dequantise-then-dot writes and re-reads the weight
+    in BF16, 8x slower than a GEMV pass), so they take the GEMV over 32-row chunks.
+    """
+
+    name: str = "triton"
+    config_type: type = GemvConfig
+
+    def supported_on(self, device) -> bool:
+        """CUDA GPUs with the FP8 conversions (sm_89 and newer)."""
+        cc = compute_capability(device)
+        return cc is not None and cc >= (8, 9)
+
+    def supports(self, rows: int, w: Weight) -> str | None:
+        del rows, w  # every format and shape
+        return None
+
+    def __call__(self, x, w, *, config=None, interpret=False):
+        if x.shape[0] >= DOT_FROM_ROWS and isinstance(w, Bf16Weight | Fp8RowWeight):
+            return bf16_operands_dot(x, w)
+        kernel = functools.partial(gemv, w=w, config=config, interpret=interpret)
+        return C.in_row_chunks(kernel, x, MAX_ROWS, w.out_features)
 
 
-KERNELS = {
-    "bf16": (bf16_gemv, bf16_gemv_reference),
-    "fp8_row": (fp8_row_gemv, fp8_row_gemv_reference),
-    "fp8_block": (fp8_block_gemv, fp8_block_gemv_reference),
-    "nvfp4": (nvfp4_gemv, nvfp4_gemv_reference),
-}
+TRITON = TritonLinear()

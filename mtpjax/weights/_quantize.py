@@ -14,9 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mtpjax.weights.formats import (
+from pallas_kernels import (
     E2M1_MAX,
-    E2M1_VALUES,
     E4M3_MAX,
     FP8_BLOCK,
     NVFP4_BLOCK,
@@ -26,15 +25,15 @@ from mtpjax.weights.formats import (
     Nvfp4Weight,
     Weight,
     WeightFormat,
+    decode_e2m1,
+    unpack_e2m1,
 )
 
 __all__ = [
-    "decode_e2m1",
     "dequantize",
     "encode_e2m1",
     "pack_e2m1",
     "quantize",
-    "unpack_e2m1",
 ]
 
 # Rounding thresholds between consecutive E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, and whether a
@@ -66,11 +65,6 @@ def encode_e2m1(x: jax.Array) -> jax.Array:
     return sign | idx
 
 
-def decode_e2m1(codes: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """Decodes E2M1 codes ``uint8[...]`` to their values (exact in BF16 and F32)."""
-    return jnp.asarray(E2M1_VALUES, dtype)[codes.astype(jnp.int32)]
-
-
 def pack_e2m1(codes: jax.Array) -> jax.Array:
     """Packs codes ``uint8[..., K]`` (each < 16) into ``uint8[..., K/2]``; 2j -> low nibble of j."""
     if codes.dtype != jnp.uint8:
@@ -83,20 +77,6 @@ def pack_e2m1(codes: jax.Array) -> jax.Array:
 @jax.jit
 def _pack(codes: jax.Array) -> jax.Array:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_e2m1(packed: jax.Array) -> jax.Array:
-    """Unpacks ``uint8[..., K/2]`` into codes ``uint8[..., K]``; inverse of ``pack_e2m1``."""
-    if packed.dtype != jnp.uint8:
-        raise TypeError(f"unpack_e2m1 expects uint8 bytes, got {packed.dtype}")
-    return _unpack(packed)
-
-
-@jax.jit
-def _unpack(packed: jax.Array) -> jax.Array:
-    low = packed & 0xF
-    high = packed >> 4
-    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def _as_f32_matrix(w: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Paged decode attention for the drafter (one query row per sequence, GQA, BF16 or FP8 KV).
+"""Triton backend of ``paged_attention``: one query row per sequence, GQA, BF16 or FP8 KV.
 
 Shapes:
   q:            [B, n_q, D]                       one query row per sequence (bf16 or f32)
@@ -7,7 +7,8 @@ Shapes:
   lengths:      int32[B]                           valid KV rows per sequence (0 -> zeros out)
   out:          [B, n_q, D]                        f32 by default (``out_dtype``)
 
-Query head ``j`` reads KV head ``j // (n_q // n_kv)``. D must be a power of two >= 16.
+Query head ``j`` reads KV head ``j // (n_q // n_kv)``. D must be a power of two >= 16 and the
+block size a power of two (:func:`supports`); table slots past a sequence's length are never read.
 
 FP8 KV scales: ``k_scale``/``v_scale`` are a per-tensor f32 scalar, per-(block, head)
 f32[num_blocks, n_kv] (dequantised row = ``fp8 * scale[block, head]``), or per-(row, head)
@@ -36,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _common as C
+from pallas_kernels._paged_attention.reference import check_operands
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -161,6 +163,22 @@ def _attn_kernel(
     l_ref[b, h, s] = l_i
 
 
+name = "triton"
+
+
+def supported_on(device) -> bool:
+    """Whether the kernel compiles for ``device`` (any GPU; elsewhere only interpret mode)."""
+    return device.platform == "gpu"
+
+
+def supports(q: jax.Array, k_pool: jax.Array) -> str | None:
+    """Why the kernel cannot take these operands, or None when it can."""
+    d, bs = q.shape[-1], k_pool.shape[1]
+    if d < 16 or not C.is_pow2(d) or not C.is_pow2(bs):
+        return f"the kernel needs a power-of-two head_dim >= 16 and block_size (got {d}, {bs})"
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "config", "out_dtype", "interpret"))
 def paged_attention(
     q: jax.Array,
@@ -191,19 +209,12 @@ def paged_attention(
     Returns:
       [B, n_q, D] attention output.
     """
+    check_operands(q, k_pool, v_pool, block_tables, lengths, k_scale, v_scale)
+    if (reason := supports(q, k_pool)) is not None:
+        raise ValueError(reason)
     bsz, n_q, d = q.shape
-    nb, bs, n_kv, dk = k_pool.shape
-    if k_pool.shape != v_pool.shape or dk != d:
-        raise ValueError(f"pool shapes {k_pool.shape} / {v_pool.shape} do not match q {q.shape}")
-    if n_q % n_kv:
-        raise ValueError(f"n_q={n_q} must be a multiple of n_kv={n_kv}")
-    if not C.is_pow2(d) or d < 16 or not C.is_pow2(bs):
-        raise ValueError(f"head_dim ({d}) and block_size ({bs}) must be powers of two, D >= 16")
-    if block_tables.shape[0] != bsz or lengths.shape != (bsz,):
-        raise ValueError("block_tables must be [B, max_blocks] and lengths [B]")
+    nb, bs, n_kv, _ = k_pool.shape
     fp8 = k_pool.dtype == jnp.float8_e4m3fn
-    if fp8 != (k_scale is not None) or (k_scale is None) != (v_scale is None):
-        raise ValueError("FP8 pools need k_scale and v_scale; BF16 pools take neither")
     cfg = config or PagedAttentionConfig()
     max_blocks = block_tables.shape[1]
     pps = min(cfg.pages_per_step, C.next_pow2(max_blocks))
@@ -263,51 +274,3 @@ def paged_attention(
     num = jnp.sum(o * jnp.exp2(m - m_all)[..., None], axis=2)
     out = num / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out[:, :, :g].reshape(bsz, n_q, d).astype(out_dtype)
-
-
-def paged_attention_reference(
-    q,
-    k_pool,
-    v_pool,
-    block_tables,
-    lengths,
-    *,
-    scale,
-    k_scale=None,
-    v_scale=None,
-    config=None,
-    out_dtype=jnp.float32,
-    interpret=False,
-):
-    """Pure-jnp twin of :func:`paged_attention` (gathers the pages, F32 softmax)."""
-    del config, interpret
-    bsz, n_q, d = q.shape
-    nb, _, n_kv, _ = k_pool.shape
-    k = k_pool.astype(jnp.float32)
-    v = v_pool.astype(jnp.float32)
-    if k_scale is not None:
-        bs = k_pool.shape[1]
-
-        def per_row(sc):  # scalar, [nb, n_kv] or [nb, bs, n_kv] -> [nb, bs, n_kv]
-            sc = jnp.asarray(sc, jnp.float32)
-            if sc.ndim == 2:  # per (block, head): the same for every row of the block
-                sc = sc[:, None, :]
-            return jnp.broadcast_to(sc, (nb, bs, n_kv))
-
-        k = k * per_row(k_scale)[..., None]
-        v = v * per_row(v_scale)[..., None]
-    bt = jnp.clip(block_tables, 0, nb - 1)
-    kg = k[bt].reshape(bsz, -1, n_kv, d)  # [B, T, n_kv, D]
-    vg = v[bt].reshape(bsz, -1, n_kv, d)
-    g = n_q // n_kv
-    qg = q.astype(jnp.float32).reshape(bsz, n_kv, g, d)
-    hi = jax.lax.Precision.HIGHEST
-    s = jnp.einsum("bhgd,bthd->bhgt", qg, kg, precision=hi) * scale
-    valid = jnp.arange(kg.shape[1])[None, :] < lengths[:, None]
-    s = jnp.where(valid[:, None, None, :], s, -jnp.inf)
-    mx = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(mx), mx, 0.0))
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(den > 0, den, 1.0)
-    o = jnp.einsum("bhgt,bthd->bhgd", p, vg, precision=hi)
-    return o.reshape(bsz, n_q, d).astype(out_dtype)

@@ -1,4 +1,5 @@
-"""Weight pytrees for the four storage formats, and the E2M1 / E4M3 constants they rest on.
+"""The contract of ``linear``: its weight operands (four storage formats, the E2M1 / E4M3
+constants they rest on) and the protocol every backend implements.
 
 A weight is a frozen, keyword-only dataclass registered as a pytree whose array leaves are the
 checkpoint's own tensors, so it passes through ``jit``, ``vmap``, ``tree_map`` and donation
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,8 @@ __all__ = [
     "Nvfp4Weight",
     "Weight",
     "WeightFormat",
+    "decode_e2m1",
+    "unpack_e2m1",
 ]
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
@@ -104,9 +107,28 @@ def _check_matrix(cls_name: str, field: str, leaf: Any) -> None:
         raise ValueError(f"{cls_name}.{field} must be [..., N, K], got shape {tuple(leaf.shape)}")
 
 
+class _Matrix:
+    """What every weight type derives from its logical ``shape`` ``(..., N, K)`` and leaves."""
+
+    shape: tuple[int, ...]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[-2]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams to read the whole weight."""
+        return _nbytes(*jax.tree.leaves(self))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Bf16Weight:
+class Bf16Weight(_Matrix):
     """Plain BF16 weight. ``w: bf16[..., N, K]``."""
 
     w: jax.Array
@@ -124,23 +146,10 @@ class Bf16Weight:
         """Logical shape ``(..., N, K)``."""
         return tuple(self.w.shape)
 
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.w)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Fp8RowWeight:
+class Fp8RowWeight(_Matrix):
     """E4M3 codes with one F32 scale per output row.
 
     ``q: e4m3[..., N, K]``, ``scale: f32[..., N]``.
@@ -168,23 +177,10 @@ class Fp8RowWeight:
         """Logical shape ``(..., N, K)``."""
         return tuple(self.q.shape)
 
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.q, self.scale)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Fp8BlockWeight:
+class Fp8BlockWeight(_Matrix):
     """E4M3 codes with one F32 factor per 128x128 tile (DeepSeek/GLM checkpoints).
 
     ``q: e4m3[..., N, K]``, ``scale_inv: f32[..., ceil(N/128), ceil(K/128)]``. Despite the
@@ -215,23 +211,10 @@ class Fp8BlockWeight:
         """Logical shape ``(..., N, K)``."""
         return tuple(self.q.shape)
 
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.q, self.scale_inv)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Nvfp4Weight:
+class Nvfp4Weight(_Matrix):
     """NVIDIA ModelOpt NVFP4: packed E2M1 codes, E4M3 block-16 scales, an F32 global scale.
 
     ``packed: u8[..., N, K/2]`` (element 2j is the LOW nibble of byte j),
@@ -275,18 +258,49 @@ class Nvfp4Weight:
         *lead, n, half_k = self.packed.shape
         return (*lead, n, 2 * half_k)
 
-    @property
-    def out_features(self) -> int:
-        return self.shape[-2]
-
-    @property
-    def in_features(self) -> int:
-        return self.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a kernel streams to read the whole weight."""
-        return _nbytes(self.packed, self.scale, self.scale_2)
-
 
 Weight = Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight
+
+
+def unpack_e2m1(packed: jax.Array) -> jax.Array:
+    """Unpacks ``uint8[..., K/2]`` into codes ``uint8[..., K]`` (element 2j = low nibble of j)."""
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"unpack_e2m1 expects uint8 bytes, got {packed.dtype}")
+    low = packed & 0xF
+    high = packed >> 4
+    return jnp.stack([low, high], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def decode_e2m1(codes: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+    """Decodes E2M1 codes ``uint8[...]`` to their values (exact in BF16 and F32)."""
+    return jnp.asarray(E2M1_VALUES, dtype)[codes.astype(jnp.int32)]
+
+
+class LinearBackend(Protocol):
+    """A kernel family behind ``linear``: ``x: bf16[M, K]`` times one ``[N, K]`` weight.
+
+    ``supported_on`` says whether it compiles for a device (off it, only interpret mode runs);
+    ``supports`` gives the reason it cannot take ``rows`` rows of ``w`` (None when it can);
+    calling it returns f32[M, N], any M >= 1 (the backend chunks rows as it likes).
+    """
+
+    name: str
+    config_type: type
+
+    def supported_on(self, device: Any) -> bool: ...
+
+    def supports(self, rows: int, w: Weight) -> str | None: ...
+
+    def __call__(self, x: jax.Array, w: Weight, *, config: Any, interpret: bool) -> jax.Array: ...
+
+
+def compute_capability(device: Any) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for any other device."""
+    cc = getattr(device, "compute_capability", None)
+    if getattr(device, "platform", None) != "gpu" or cc is None:
+        return None
+    try:
+        major, minor = (int(p) for p in str(cc).split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor

@@ -1,0 +1,1 @@
+"""The quantised linear: the op (`api`), its contract (`base`), reference and backends."""

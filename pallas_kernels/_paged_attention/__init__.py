@@ -1,0 +1,1 @@
+"""Paged decode attention: the op (`api`), its pure-jnp reference and its Triton backend."""
