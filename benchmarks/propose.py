@@ -57,7 +57,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import json
 import os
 import re
 import sys
@@ -105,42 +104,25 @@ SMOKE_COMPILER_OPTIONS = {
 
 def head_config(name: str, *, smoke: bool) -> DrafterConfig:
     """The drafter config of a head: real shapes, or tiny ones for --smoke."""
+    ffn = dict(ffn=FfnKind.MOE) if name == "moe" else {}
     if smoke:
-        if name == "dense":
-            return DrafterConfig.tiny(vocab_size=512)
-        return DrafterConfig.tiny(ffn=FfnKind.MOE, vocab_size=512)
-    common = dict(
-        head_dim=256,
-        partial_rotary_factor=0.25,
-        rope_theta=10_000_000.0,
-        max_position_embeddings=262_144,
-    )
+        return DrafterConfig.tiny(vocab_size=512, **ffn)
+    common = dict(head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0)
+    common.update(max_position_embeddings=262_144)
     if name == "dense":
         return DrafterConfig.tiny(
-            architecture=Architecture.QWEN3_5,
-            hidden_size=5120,
-            vocab_size=248_320,
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            intermediate_size=17_408,
-            **common,
-        )
+            architecture=Architecture.QWEN3_5, hidden_size=5120, vocab_size=248_320,
+            num_attention_heads=24, num_key_value_heads=4, intermediate_size=17_408, **common
+        )  # fmt: skip
+    moe = MoeConfig(
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, shared_expert_gate=True
+    )  # fmt: skip
+    common.update(num_attention_heads=16, num_key_value_heads=2)
     return DrafterConfig.tiny(
-        ffn=FfnKind.MOE,
-        architecture=Architecture.QWEN3_NEXT,
-        hidden_size=2048,
-        vocab_size=151_936,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        moe=MoeConfig(
-            num_experts=512,
-            num_experts_per_tok=10,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            shared_expert_gate=True,
-        ),
-        **common,
-    )
+        architecture=Architecture.QWEN3_NEXT, hidden_size=2048, vocab_size=151_936, moe=moe,
+        **common, **ffn
+    )  # fmt: skip
 
 
 def grid_points(ks: list[int], batches: list[int], grid: str) -> list[tuple[int, int]]:
@@ -168,46 +150,30 @@ def expected_distinct_experts(num_experts: int, top_k: int, rows: int) -> float:
 
 def drafter_bytes_per_draft(params, cfg: DrafterConfig, batch: int) -> dict:
     """Weight bytes one draft step reads for ``batch`` rows, by part."""
-    attn = params.layer.attention
+    attn, ffn = params.layer.attention, params.layer.ffn
+    norms = (params.pre_fc_norm_embedding, params.pre_fc_norm_hidden, params.norm)
+    norms += (params.layer.input_layernorm, params.layer.post_attention_layernorm)
     parts = {
         "fc": params.fc.nbytes,
         "attention": sum(w.nbytes for w in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)),
-        "norms": _leaf_bytes(
-            (
-                params.pre_fc_norm_embedding,
-                params.pre_fc_norm_hidden,
-                params.norm,
-                params.layer.input_layernorm,
-                params.layer.post_attention_layernorm,
-                attn.q_norm,
-                attn.k_norm,
-            )
-        ),
+        "norms": _leaf_bytes((*norms, attn.q_norm, attn.k_norm)),
         "embedding_rows": batch * cfg.hidden_size * 2,  # BF16 table rows gathered
     }
-    ffn = params.layer.ffn
     if isinstance(ffn, DenseFfnParams):
         parts["ffn"] = sum(w.nbytes for w in (ffn.gate_proj, ffn.up_proj, ffn.down_proj))
     elif isinstance(ffn, MoeFfnParams):
-        e = ffn.num_experts
+        ex, se = ffn.experts, ffn.shared_expert
         per_expert = (
-            sum(
-                w.nbytes
-                for w in (ffn.experts.gate_proj, ffn.experts.up_proj, ffn.experts.down_proj)
-            )
-            / e
+            sum(w.nbytes for w in (ex.gate_proj, ex.up_proj, ex.down_proj)) / ffn.num_experts
         )
-        touched = expected_distinct_experts(e, cfg.moe.num_experts_per_tok, batch)
-        shared = 0
-        if ffn.shared_expert is not None:
-            se = ffn.shared_expert
-            shared = sum(w.nbytes for w in (se.gate_proj, se.up_proj, se.down_proj))
+        touched = expected_distinct_experts(ffn.num_experts, cfg.moe.num_experts_per_tok, batch)
+        shared = (
+            0 if se is None else sum(w.nbytes for w in (se.gate_proj, se.up_proj, se.down_proj))
+        )
         if ffn.shared_expert_gate is not None:
             shared += ffn.shared_expert_gate.nbytes
-        parts["router"] = ffn.router.nbytes
-        parts["shared_expert"] = shared
-        parts["experts"] = round(touched * per_expert)
-        parts["experts_touched"] = touched
+        parts.update(router=ffn.router.nbytes, shared_expert=shared)
+        parts.update(experts=round(touched * per_expert), experts_touched=touched)
     else:
         raise TypeError(type(ffn).__name__)
     parts["total"] = int(sum(v for k, v in parts.items() if k != "experts_touched"))
@@ -264,13 +230,8 @@ def filled_state(key, first_seq=0, *, pool_cfg, num_seqs: int, context: int) -> 
     k, v = jax.vmap(rows)(first_seq + jnp.arange(num_seqs))  # f32[B, context, Nkv, D]
     positions = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), (num_seqs, context))
     block, slot = row_address(cache, positions)
-    pool = write_rows(
-        cache.pool,
-        block.reshape(-1),
-        slot.reshape(-1),
-        k.reshape(-1, *shape[1:]),
-        v.reshape(-1, *shape[1:]),
-    )
+    rows_ = (k.reshape(-1, *shape[1:]), v.reshape(-1, *shape[1:]))
+    pool = write_rows(cache.pool, block.reshape(-1), slot.reshape(-1), *rows_)
     cache = dataclasses.replace(cache, pool=pool, seq_len=jnp.full((num_seqs,), context, jnp.int32))
     return DrafterState(
         kv=cache,
@@ -326,22 +287,20 @@ def scan_hlo(text: str) -> dict:
 
 
 def memory_analysis(compiled) -> dict | None:
+    """The compiler's argument, output, aliased and temporary bytes (None where unavailable)."""
+    fields = ("argument", "output", "alias", "temp")
     try:
         ma = compiled.memory_analysis()
+        return {f"{f}_size_in_bytes": int(getattr(ma, f"{f}_size_in_bytes")) for f in fields}
     except Exception:
         return None
-    if ma is None:
-        return None
-    return {
-        f: int(getattr(ma, f))
-        for f in (
-            "argument_size_in_bytes",
-            "output_size_in_bytes",
-            "alias_size_in_bytes",
-            "temp_size_in_bytes",
-        )
-        if hasattr(ma, f)
-    }
+
+
+def pool_bytes(pool_cfg, num_seqs: int) -> int:
+    """Bytes of the KV pool of a ``num_seqs``-sequence state."""
+    return _leaf_bytes(
+        jax.eval_shape(lambda: drafter.init_state(pool_cfg, num_seqs=num_seqs)).kv.pool
+    )
 
 
 def device_memory() -> dict | None:
@@ -511,65 +470,32 @@ class Bench:
         _sync((params, head))
         init_s = time.perf_counter() - t_init
         kmax = max(a.ks)
-        pool_cfgs = {
-            (b, f): drafter.pool_config(
-                cfg, precision=dprec, max_seq_len=a.context + kmax + 1, max_seqs=b * f
-            )
-            for b in a.batches
-            for f in (1, 10)
-        }
+        pool_cfg = functools.partial(
+            drafter.pool_config, cfg, precision=dprec, max_seq_len=a.context + kmax + 1
+        )
+        pool_cfgs = {(b, f): pool_cfg(max_seqs=b * f) for b in a.batches for f in (1, 10)}
         kv_dtype = pool_cfgs[(a.batches[0], 1)].kv_dtype
         points = grid_points(a.ks, a.batches, a.grid)
         kc, bc = center(a.ks), center(a.batches)
-        base = dict(
-            head=head_name,
-            precision=prec,
-            drafter_precision=dprec,
-            head_precision=hprec,
-            kv_dtype=kv_dtype.value,
-            context=a.context,
-        )
-        self.emit(
-            dict(
-                kind="memory_plan",
-                **base,
-                drafter_weight_bytes=_leaf_bytes(params),
-                lm_head_bytes=head.weight.nbytes,
-                embedding_bytes=_leaf_bytes(head.embedding),
-                kv_pool_bytes={
-                    str(b): _leaf_bytes(
-                        jax.eval_shape(
-                            lambda c=pool_cfgs[(b, 1)], b=b: drafter.init_state(c, num_seqs=b)
-                        ).kv.pool
-                    )
-                    for b in a.batches
-                },
-                kv_pool_10x_bytes_at_center_batch=_leaf_bytes(
-                    jax.eval_shape(
-                        lambda: drafter.init_state(pool_cfgs[(bc, 10)], num_seqs=bc)
-                    ).kv.pool
-                ),
-                device_memory=device_memory(),
-                init_s=init_s,
-            )
-        )
+        base = dict(head=head_name, precision=prec, drafter_precision=dprec)
+        base.update(head_precision=hprec, kv_dtype=kv_dtype.value, context=a.context)
+        plan = dict(kind="memory_plan", **base, drafter_weight_bytes=_leaf_bytes(params))
+        plan.update(lm_head_bytes=head.weight.nbytes, embedding_bytes=_leaf_bytes(head.embedding))
+        plan["kv_pool_bytes"] = {str(b): pool_bytes(pool_cfgs[(b, 1)], b) for b in a.batches}
+        plan["kv_pool_10x_bytes_at_center_batch"] = pool_bytes(pool_cfgs[(bc, 10)], bc)
+        self.emit(dict(plan, device_memory=device_memory(), init_s=init_s))
 
         # Executables: propose (auto; xla at the baseline K), verify, the 10x pool.
         def eff(impl: str) -> str:
             return impl if self.gpu else "xla"  # off-GPU "auto" is the XLA path
 
         def state_abs(b: int, f: int = 1):
-            return jax.eval_shape(
-                functools.partial(
-                    filled_state, pool_cfg=pool_cfgs[(b, f)], num_seqs=b, context=a.context
-                ),
-                key,
-            )
+            fill = functools.partial(filled_state, pool_cfg=pool_cfgs[(b, f)], num_seqs=b)
+            return jax.eval_shape(functools.partial(fill, context=a.context), key)
 
         def pairs_abs(k: int, b: int):
-            return jax.eval_shape(
-                functools.partial(make_pairs, cfg=cfg, k=k, batch=b, context=a.context), key
-            )
+            make = functools.partial(make_pairs, cfg=cfg, k=k, batch=b, context=a.context)
+            return jax.eval_shape(make, key)
 
         jobs: dict[tuple, Job] = {}
         drafts_abs: dict[tuple, object] = {}
@@ -663,15 +589,11 @@ class Bench:
         rec = dict(kind="propose", **base, k=k, batch=b, impl="auto", iters=a.iters)
         job = jobs[plan["propose"]]
         if job.compiled is None:
-            rec["error"] = job.error
-            self.emit(rec)
+            self.emit(dict(rec, error=job.error))
             return
-        rec["compile_s"] = job.compile_s
-        rec["hlo"] = scan_hlo(job.compiled.as_text())
-        rec["memory"] = memory_analysis(job.compiled)
-        sb = _leaf_bytes(job.args[2])
-        ok, msg = fits_in_memory(job.compiled, sb)
-        rec["memory_check"] = msg
+        rec.update(compile_s=job.compile_s, hlo=scan_hlo(job.compiled.as_text()))
+        ok, msg = fits_in_memory(job.compiled, _leaf_bytes(job.args[2]))
+        rec.update(memory=memory_analysis(job.compiled), memory_check=msg)
         if not ok:
             self.skip(f"{base['head']}/{base['precision']} K={k} B={b}", msg)
             return
@@ -683,16 +605,10 @@ class Bench:
         kv_bytes = kv_attended_bytes(cfg, kv_dtype, k=k, batch=b, context=a.context)
         total = k * (d["total"] + head_bytes) + kv_bytes
         roof = total / (self.bw_gbps * 1e3)
-        rec.update(
-            drafter_bytes_per_draft=d["total"],
-            drafter_bytes_parts=d,
-            head_bytes_per_draft=head_bytes,
-            weight_bytes=k * (d["total"] + head_bytes),
-            kv_bytes=kv_bytes,
-            bytes=total,
-            logits_bytes=k * b * head_cfg.draft_rows * 4 * 2,  # written and read, not counted
-            roofline_us=roof,
-        )
+        rec.update(drafter_bytes_per_draft=d["total"], drafter_bytes_parts=d)
+        rec.update(head_bytes_per_draft=head_bytes, weight_bytes=k * (d["total"] + head_bytes))
+        rec.update(kv_bytes=kv_bytes, bytes=total, roofline_us=roof)
+        rec["logits_bytes"] = k * b * head_cfg.draft_rows * 4 * 2  # written and read, not counted
 
         # Auto, then the XLA baseline, each with its verify.
         pairs = self.seeded_pairs(cfg, k, b)
@@ -716,13 +632,10 @@ class Bench:
                 )
                 del fresh
                 rec["pipelined_per_draft_us"] = rec["pipelined_us"] / k
-            rec[f"{prefix}time_us"] = res["propose"]["time_us"]
-            rec[f"{prefix}p10_us"] = res["propose"]["p10_us"]
-            rec[f"{prefix}p90_us"] = res["propose"]["p90_us"]
+            rec.update({prefix + f: res["propose"][f] for f in ("time_us", "p10_us", "p90_us")})
             rec[f"{prefix}per_draft_us"] = res["propose"]["time_us"] / k
             rec[f"{prefix}verify_us"] = res["verify"]["time_us"]
-            rec[f"{prefix}context_kept"] = res["context_kept"]
-            rec[f"{prefix}kv_errors"] = res["kv_errors"]
+            rec.update({prefix + f: res[f] for f in ("context_kept", "kv_errors")})
             if impl == "auto":
                 rec["drafts_sample"] = res["tokens"][: min(b, 4)].tolist()
             else:
@@ -736,12 +649,9 @@ class Bench:
             rec["xla_over_auto"] = rec["xla_time_us"] / rec["time_us"]
         # Verify: (K+1) * B rows through the full head + acceptance + the drafter trim.
         vbytes = head.weight.nbytes + b * (k + 1) * cfg.hidden_size * 4
-        rec.update(
-            verify_rows=b * (k + 1),
-            verify_bytes=vbytes,
-            verify_logits_bytes=b * (k + 1) * head_cfg.vocab_size * 4 * 2,
-            verify_roofline_us=vbytes / (self.bw_gbps * 1e3),
-        )
+        rec.update(verify_rows=b * (k + 1), verify_bytes=vbytes)
+        rec["verify_logits_bytes"] = b * (k + 1) * head_cfg.vocab_size * 4 * 2
+        rec["verify_roofline_us"] = vbytes / (self.bw_gbps * 1e3)
         if "verify_us" in rec:
             rec["verify_roofline_ratio"] = rec["verify_us"] / rec["verify_roofline_us"]
         trec = self.torch_times.get((base["head"], k, b))
@@ -756,8 +666,7 @@ class Bench:
         job = jobs[jk]
         rec = dict(kind="pool_10x", **base, k=k, batch=b, impl="auto")
         if job.compiled is None:
-            rec["error"] = job.error
-            self.emit(rec)
+            self.emit(dict(rec, error=job.error))
             return
         ok, msg = fits_in_memory(job.compiled, _leaf_bytes(job.args[2]))
         if not ok:
@@ -766,11 +675,8 @@ class Bench:
         pairs = self.seeded_pairs(cfg, k, b)
         state = self.seeded_state(pool_cfgs[(b, 10)], b)
         res = self.rounds(job.compiled, None, params, head, state, pairs, None)
-        pool_bytes = _leaf_bytes(job.args[2].kv.pool)
-        pool_1x_bytes = _leaf_bytes(
-            jax.eval_shape(lambda: drafter.init_state(pool_cfgs[(b, 1)], num_seqs=b)).kv.pool
-        )
-        rec.update(pool_bytes=pool_bytes, pool_1x_bytes=pool_1x_bytes)
+        big, small = _leaf_bytes(job.args[2].kv.pool), pool_bytes(pool_cfgs[(b, 1)], b)
+        rec.update(pool_bytes=big, pool_1x_bytes=small)
         # The compiler's own account: a pool-sized copy or conversion shows up as temporaries
         # that grow with the pool.
         one = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1))
@@ -779,20 +685,14 @@ class Bench:
         if m1 and m10:
             growth = m10["temp_size_in_bytes"] - m1["temp_size_in_bytes"]
             rec.update(
-                temp_bytes_1x=m1["temp_size_in_bytes"],
-                temp_bytes_10x=m10["temp_size_in_bytes"],
-                in_place=bool(
-                    growth < 0.5 * (pool_bytes - pool_1x_bytes)
-                    and m10["alias_size_in_bytes"] >= pool_bytes
-                ),
+                temp_bytes_1x=m1["temp_size_in_bytes"], temp_bytes_10x=m10["temp_size_in_bytes"]
             )
+            rec["in_place"] = bool(
+                growth < 0.5 * (big - small) and m10["alias_size_in_bytes"] >= big
+            )
+        rec.update({f: res["propose"][f] for f in ("time_us", "p10_us", "p90_us")})
         rec.update(
-            time_us=res["propose"]["time_us"],
-            context_kept=res["context_kept"],
-            p10_us=res["propose"]["p10_us"],
-            p90_us=res["propose"]["p90_us"],
-            memory=memory_analysis(job.compiled),
-            hlo=scan_hlo(job.compiled.as_text()),
+            context_kept=res["context_kept"], memory=m10, hlo=scan_hlo(job.compiled.as_text())
         )
         del state
         # The same executable's pool, timed by the same loop.
@@ -938,18 +838,12 @@ class Bench:
             rec = dict(kind="sharded_propose", **base, k=k, batch=b, devices=2, impl="auto")
             try:
                 half = b // 2
+                half_cfg = drafter.pool_config(
+                    cfg, precision=base["drafter_precision"], max_seqs=half,
+                    max_seq_len=a.context + max(a.ks) + 1,
+                )  # fmt: skip
                 f = functools.partial(
-                    filled_state,
-                    pool_cfg=pool_cfgs[(half, 1)]
-                    if (half, 1) in pool_cfgs
-                    else drafter.pool_config(
-                        cfg,
-                        precision=base["drafter_precision"],
-                        max_seq_len=a.context + max(a.ks) + 1,
-                        max_seqs=half,
-                    ),
-                    num_seqs=half,
-                    context=a.context,
+                    filled_state, pool_cfg=half_cfg, num_seqs=half, context=a.context
                 )
                 # The one-GPU point's rows: sequences 0..B/2-1 on one device, the rest on the
                 # other.
@@ -1034,19 +928,9 @@ def _compile(fn, args, options):
 
 
 def time_rounds(
-    propose_c,
-    verify_c,
-    params,
-    head,
-    state,
-    pairs,
-    target_hidden,
-    *,
-    iters,
-    warmup,
-    context,
+    propose_c, verify_c, params, head, state, pairs, target_hidden, *, iters, warmup, context,
     sharded: bool = False,
-) -> dict:
+) -> dict:  # fmt: skip
     """Synchronous propose calls, each followed by a synchronous verify (which trims the rows
     the propose added) when ``verify_c`` is given. Returns median times, the drafts of the last
     call and whether the context stayed at ``context`` rows."""
@@ -1067,8 +951,7 @@ def time_rounds(
         tokens = out if sharded else out.tokens
     tokens = np.asarray(tokens)
     k = tokens.shape[-1]
-    seq_len = np.asarray(state.kv.seq_len)
-    errors = np.asarray(state.kv.error)
+    seq_len, errors = np.asarray(state.kv.seq_len), np.asarray(state.kv.error)
     # Without a verify the last call's K - 1 chain rows are still held (the next propose would
     # drop them itself).
     held = context if verify_c is not None else context + k - 1
@@ -1168,24 +1051,26 @@ def _fmt(x, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+#: The table's columns: (title, record field, format, width).
+COLUMNS = (
+    ("propose", "time_us", ".0f", 9), ("/draft", "per_draft_us", ".0f", 8),
+    ("roof", "roofline_us", ".0f", 8), ("ratio", "roofline_ratio", ".2f", 6),
+    ("piped", "pipelined_roofline_ratio", ".2f", 6), ("xla", "xla_time_us", ".0f", 9),
+    ("torch", "torch_eager_us", ".0f", 9), ("graph", "torch_cuda_graph_us", ".0f", 9),
+    ("verify", "verify_us", ".0f", 8), ("v.ratio", "verify_roofline_ratio", ".2f", 7),
+)  # fmt: skip
+
+
 def table(records: list[dict]) -> str:
     rows = [r for r in records if r.get("kind") == "propose"]
-    head = (
-        f"{'head':6} {'precision':15} {'K':>2} {'B':>3} {'propose':>9} {'/draft':>8} "
-        f"{'roof':>8} {'ratio':>6} {'piped':>6} {'xla':>9} {'torch':>9} {'graph':>9} {'verify':>8} "
-        f"{'v.ratio':>7}"
-    )
+    head = f"{'head':6} {'precision':15} {'K':>2} {'B':>3} "
+    head += " ".join(f"{t:>{w}}" for t, _, _, w in COLUMNS)
     lines = [head, "-" * len(head)]
     for r in rows:
+        cells = " ".join(f"{_fmt(r.get(f), spec):>{w}}" for _, f, spec, w in COLUMNS)
+        error = f"  ERROR {r['error'][:60]}" if r.get("error") else ""
         lines.append(
-            f"{r['head']:6} {r['precision']:15} {r['k']:>2} {r['batch']:>3} "
-            f"{_fmt(r.get('time_us')):>9} {_fmt(r.get('per_draft_us')):>8} "
-            f"{_fmt(r.get('roofline_us')):>8} {_fmt(r.get('roofline_ratio'), '.2f'):>6} "
-            f"{_fmt(r.get('pipelined_roofline_ratio'), '.2f'):>6} "
-            f"{_fmt(r.get('xla_time_us')):>9} {_fmt(r.get('torch_eager_us')):>9} "
-            f"{_fmt(r.get('torch_cuda_graph_us')):>9} {_fmt(r.get('verify_us')):>8} "
-            f"{_fmt(r.get('verify_roofline_ratio'), '.2f'):>7}"
-            + (f"  ERROR {r['error'][:60]}" if r.get("error") else "")
+            f"{r['head']:6} {r['precision']:15} {r['k']:>2} {r['batch']:>3} {cells}{error}"
         )
     lines.append(
         "times in µs (median); roof = bytes / copy bandwidth; ratio = propose / roof; piped = "
@@ -1261,7 +1146,8 @@ def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
                     label = suffix.strip() if torch_ else f"{prec}{suffix}"
                     c = "k" if torch_ else color
                     ax.plot(*zip(*xy, strict=True), style, color=c, alpha=alpha, label=label)
-        ax.set(xscale="log", yscale="log", xlabel="batch B (sequences)")
+        ax.set_xscale("log", base=2)
+        ax.set(yscale="log", xlabel="batch B (sequences)")
         ax.set(ylabel="propose latency per draft (µs)", title=f"{h} head, K={k}, context {context}")
         ax.grid(True, which="both", alpha=0.3)
     # One legend for all panels, outside them: the series are the same in each.
@@ -1309,56 +1195,33 @@ def _names(allowed):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument(
-        "--json", type=Path, default=harness.REPO / "benchmarks/results/propose_h200.json"
-    )
-    p.add_argument("--plot", type=Path, default=None, help="default: the JSON path as .png")
-    p.add_argument("--heads", type=_names(HEADS), default=list(HEADS))
-    p.add_argument(
-        "--precisions",
-        type=_names(tuple(PRECISIONS)),
-        default=list(DEFAULT_PRECISIONS),
-        help="in run order (default nvfp4,bf16-nvfp4head,fp8)",
-    )
-    p.add_argument("--ks", type=_ints, default=None, help="drafts K (default 1,3,5)")
-    p.add_argument("--batches", type=_ints, default=None, help="batches B (default 1,8,64)")
-    p.add_argument("--grid", choices=("star", "full"), default="star")
-    p.add_argument("--context", type=int, default=None, help="KV rows per sequence (4096)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per point (20)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (3)")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="start no block after this many seconds (default 390; none for smoke)",
-    )
-    p.add_argument(
-        "--compile-workers",
-        type=int,
-        default=None,
-        help="executables compiled at once (default 6 on GPU, 1 on CPU)",
-    )
-    p.add_argument(
-        "--compile-cache",
-        type=Path,
-        default=None,
+    add = p.add_argument
+    add("--json", type=Path, default=harness.REPO / "benchmarks/results/propose_h200.json")
+    add("--plot", type=Path, default=None, help="default: the JSON path as .png")
+    add("--heads", type=_names(HEADS), default=list(HEADS))
+    add("--precisions", type=_names(tuple(PRECISIONS)), default=list(DEFAULT_PRECISIONS),
+        help="in run order (default nvfp4,bf16-nvfp4head,fp8)")  # fmt: skip
+    add("--ks", type=_ints, default=None, help="drafts K (default 1,3,5)")
+    add("--batches", type=_ints, default=None, help="batches B (default 1,8,64)")
+    add("--grid", choices=("star", "full"), default="star")
+    add("--context", type=int, default=None, help="KV rows per sequence (4096)")
+    add("--iters", type=int, default=None, help="timed calls per point (20)")
+    add("--warmup", type=int, default=None, help="untimed calls first (3)")
+    add("--budget-s", type=float, default=None,
+        help="start no block after this many seconds (default 390; none for smoke)")  # fmt: skip
+    add("--compile-workers", type=int, default=None,
+        help="executables compiled at once (default 8 on GPU, 1 on CPU)")  # fmt: skip
+    add("--compile-cache", type=Path, default=None,
         help="JAX persistent compilation cache directory: a second run on a warm machine "
-        "skips the compiles (off by default)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
-    p.add_argument("--skip-torch", action="store_true", help="no PyTorch baseline or check")
-    p.add_argument("--torch-compile", action="store_true", help="also time torch.compile")
-    p.add_argument("--skip-two-gpu", action="store_true", help="no two-device section")
-    p.add_argument(
-        "--merge",
-        type=Path,
-        nargs="+",
-        default=None,
-        metavar="JSON",
+        "skips the compiles (off by default)")  # fmt: skip
+    add("--seed", type=int, default=0)
+    add("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
+    add("--skip-torch", action="store_true", help="no PyTorch baseline")
+    add("--torch-compile", action="store_true", help="also time torch.compile")
+    add("--skip-two-gpu", action="store_true", help="no two-device section")
+    add("--merge", type=Path, nargs="+", default=None, metavar="JSON",
         help="run nothing: print the table of these result files together and write their "
-        "plot (--plot, default the first file's .png)",
-    )
+        "plot (--plot, default the first file's .png)")  # fmt: skip
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
@@ -1383,7 +1246,7 @@ def merge(paths: list[Path], plot_path: Path, *, k: int, context: int) -> list[d
     records = []
     for path in paths:
         try:
-            records += json.loads(path.read_text())["records"]
+            records += harness.read_records(path)
         except (OSError, ValueError, KeyError) as e:
             raise SystemExit(f"{path}: not a benchmarks.propose result file ({e})") from None
     plot(records, plot_path, k=k, context=context)
@@ -1403,7 +1266,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     bench = Bench(args)
     print(
-        f"bench_propose: {jax.default_backend()} x{jax.device_count()}, heads {args.heads}, "
+        f"benchmarks.propose: {jax.default_backend()} x{jax.device_count()}, heads {args.heads}, "
         f"precisions {args.precisions}, points {grid_points(args.ks, args.batches, args.grid)}, "
         f"context {args.context}",
         flush=True,
