@@ -33,6 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 #: no launch reads a cached weight.
 L2_BYTES = 60 * 2**20
 COPY_BYTES = 2**30
+#: :func:`time_queued`'s calls and reps for --smoke runs.
+SMOKE_CALLS = dict(calls=(0, 2), reps=1)
 
 
 def on_gpu() -> bool:
@@ -73,10 +75,14 @@ def time_synced(call: Callable[[], object], *, iters: int, warmup: int) -> dict:
 
 def time_queued(call: Callable[[], object], *, calls: tuple[int, int] = (2, 8), reps: int = 3):
     """µs per call of ``call()`` queued back to back: ``(t(hi calls) - t(lo calls)) / (hi - lo)``,
-    median of ``reps``; ``call`` returns what to wait on (its last output is synchronised)."""
+    median of ``reps``; ``call`` returns what to wait on (its last output is synchronised).
+    ``lo = 0`` gives the plain mean of ``hi`` queued calls, the host's overhead included, which is
+    never negative (:data:`SMOKE_CALLS`: smoke runs check the plumbing, not the time)."""
     import jax
 
     def run(n):
+        if n == 0:
+            return 0.0
         t0 = time.perf_counter()
         for _ in range(n):
             out = call()
@@ -99,8 +105,7 @@ def time_steady(fn, arg_sets: list[tuple], n_launch: int, *, smoke: bool = False
     first = out[0]
     del out
     synced = time_synced(lambda: multi(sets), iters=1 if smoke else 5, warmup=0)["time_us"]
-    kw = dict(calls=(1, 2), reps=1) if smoke else {}
-    steady = time_queued(lambda: multi(sets), **kw)
+    steady = time_queued(lambda: multi(sets), **(SMOKE_CALLS if smoke else {}))
     return steady / n_launch, synced / n_launch, first
 
 

@@ -975,7 +975,7 @@ def time_pipelined(propose_c, params, head, state, pairs, *, smoke: bool) -> flo
         return out, holder[0]
 
     _sync(call())
-    return harness.time_queued(call, **(dict(calls=(1, 2), reps=1) if smoke else {}))
+    return harness.time_queued(call, **(harness.SMOKE_CALLS if smoke else {}))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 --smoke run end to end (tiny shapes, interpret mode, CPU)."""
 
 import json
-import math
 
 import pytest
 
@@ -74,9 +73,8 @@ def test_smoke_run(tmp_path):
         for m in (1, 3, 12)
     }
     for r in timed:
-        # The steady-state time is a difference of two timings: on a busy CPU it may be < 0.
-        assert r["ok"] and math.isfinite(r["time_us"]) and r["time_us_synced"] > 0
-    assert all(r["baseline_time_us"] is not None for r in timed if r["kernel"] == "linear")
+        assert r["ok"] and r["time_us"] > 0 and r["time_us_synced"] > 0 and r["gbps"] > 0
+    assert all(r["baseline_time_us"] > 0 for r in timed if r["kernel"] == "linear")
     assert (tmp_path / "l.png").stat().st_size > 0
     # --from-json reads this file and the bare lists written before the harness.
     bare = tmp_path / "bare.json"
