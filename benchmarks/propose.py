@@ -795,9 +795,7 @@ class Bench:
         except Exception as e:
             self.skip("sharded LM head", f"{type(e).__name__}: {e}")
             sharded = None
-        one = jax.jit(
-            lambda h, x: jnp.argmax(lm_head(h, x, cfg=head_cfg, draft=True), -1).astype(jnp.int32)
-        )
+        one = jax.jit(lambda h, x: jnp.argmax(lm_head(h, x, cfg=head_cfg, draft=True), -1))
         two = jax.jit(
             lambda sh, x: sharded_lm_head(sh, x, cfg=head_cfg, draft=True, with_logits=False).token
         )
@@ -806,22 +804,14 @@ class Bench:
             try:
                 x = normal_f32(jax.random.fold_in(key, 4000 + b), (b, cfg.hidden_size))
                 x2 = jax.device_put(x, NamedSharding(mesh, P()))
-                c1 = _compile(one, (head, x), opts)
-                c2 = _compile(two, (sharded, x2), opts)
+                c1, c2 = _compile(one, (head, x), opts), _compile(two, (sharded, x2), opts)
                 kw = dict(iters=a.iters, warmup=a.warmup)
-                t1 = harness.time_synced(functools.partial(c1, head, x), **kw)
-                t2 = harness.time_synced(functools.partial(c2, sharded, x2), **kw)
-                rec.update(
-                    one_gpu_us=t1["time_us"],
-                    two_gpu_us=t2["time_us"],
-                    speedup=t1["time_us"] / t2["time_us"],
-                    head_bytes=head.weight.nbytes,
-                    roofline_one_gpu_us=head.weight.nbytes / (self.bw_gbps * 1e3),
-                    tokens_match=bool(
-                        np.array_equal(np.asarray(c1(head, x)), np.asarray(c2(sharded, x2)))
-                    ),
-                    hlo=scan_hlo(c2.as_text()),
-                )
+                t1 = harness.time_synced(functools.partial(c1, head, x), **kw)["time_us"]
+                t2 = harness.time_synced(functools.partial(c2, sharded, x2), **kw)["time_us"]
+                same = np.array_equal(np.asarray(c1(head, x)), np.asarray(c2(sharded, x2)))
+                rec.update(one_gpu_us=t1, two_gpu_us=t2, speedup=t1 / t2, tokens_match=bool(same))
+                rec.update(head_bytes=head.weight.nbytes, hlo=scan_hlo(c2.as_text()))
+                rec["roofline_one_gpu_us"] = head.weight.nbytes / (self.bw_gbps * 1e3)
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
             self.emit(rec)
@@ -855,12 +845,9 @@ class Bench:
                 pairs = jax.device_put(pairs, NamedSharding(dp, P("dp")))
                 c = _compile(fn, (params2, head2, states, pairs), opts)
                 res = self.rounds(c, None, params2, head2, states, pairs, None, sharded=True)
-                rec.update(
-                    two_gpu_us=res["propose"]["time_us"],
-                    per_draft_us=res["propose"]["time_us"] / k,
-                    context_kept=res["context_kept"],
-                    hlo=scan_hlo(c.as_text()),
-                )
+                t2 = res["propose"]["time_us"]
+                rec.update(two_gpu_us=t2, per_draft_us=t2 / k, context_kept=res["context_kept"])
+                rec["hlo"] = scan_hlo(c.as_text())
                 del states
                 # One GPU, all B sequences, timed by the same loop (no verify in between).
                 one = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1))
