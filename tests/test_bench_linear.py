@@ -1,14 +1,11 @@
-"""scripts/bench_linear.py: the ratios it derives and the table it prints, on hand-made records."""
+"""benchmarks.linear: the ratios it derives and the table it prints, on hand-made records; one
+--smoke run end to end (tiny shapes, interpret mode, CPU)."""
 
-import importlib.util
-import pathlib
+import json
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_linear.py"
-_SPEC = importlib.util.spec_from_file_location("bench_linear", _PATH)
-bench_linear = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench_linear)
+from benchmarks import linear as bench_linear
 
 
 def _rec(kernel, fmt, rows, t, **kw):
@@ -38,26 +35,48 @@ def test_derive_takes_the_mean_of_both_xla_passes_and_the_same_format_m1():
     assert out[("linear", "fp8", 8)]["ratio_vs_m1"] is None  # no M=1 fp8 time in the records
 
 
-def test_summary_lists_failures_and_row_consistency():
+def test_summary_lists_failures_and_section_errors():
     records = bench_linear.derive(
         [
             _rec("linear", "fp8", 1, 400.0, ok=False, rel_err=0.5),
-            dict(
-                kernel="row_consistency",
-                format="nvfp4",
-                rows=4,
-                n=64,
-                k=32,
-                shape="lm_head",
-                against_rows=256,
-                bitwise=False,
-                max_abs_diff=1e-6,
-                argmax_equal=True,
-            ),
             dict(kernel="_section_error", section="head", error="boom"),
         ]
     )
     text = bench_linear.summary(records)
     assert "NOT OK 0.5" in text
-    assert "bitwise=False" in text and "(vs 256 rows)" in text
     assert "SECTION ERROR head: boom" in text
+
+
+def test_smoke_run(tmp_path):
+    """BF16 only: the interpret-mode kernels of the other formats take seconds a launch."""
+    out = tmp_path / "linear.json"
+    argv = [
+        "--smoke",
+        "--formats",
+        "bf16",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "l.png"),
+    ]
+    assert bench_linear.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["run"]["command"].startswith("python -m benchmarks.linear --smoke")
+    assert data["run"]["jax"] and data["run"]["device"]
+    records = data["records"]
+    assert not [r for r in records if r["kernel"] == "_section_error"]
+    timed = [r for r in records if r["kernel"] in ("linear", "lm_head_auto")]
+    assert {(r["kernel"], r["format"], r["rows"]) for r in timed} == {
+        (kern, fmt, m)
+        for kern in ("linear", "lm_head_auto")
+        for fmt in ("bf16",)
+        for m in (1, 3, 12)
+    }
+    for r in timed:
+        assert r["ok"] and r["time_us"] > 0 and r["time_us_synced"] > 0 and r["gbps"] > 0
+    assert all(r["baseline_time_us"] > 0 for r in timed if r["kernel"] == "linear")
+    assert (tmp_path / "l.png").stat().st_size > 0
+    # --from-json reads this file and the bare lists written before the harness.
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(records))
+    assert bench_linear.main(["--from-json", str(bare)]) == 0

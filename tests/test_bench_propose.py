@@ -1,33 +1,21 @@
-"""scripts/bench_propose.py end to end in --smoke mode (tiny heads on the CPU). The records
-must be complete and consistent, the PyTorch reference must draft the same tokens as JAX, and
-the HLO scan must tell a clean program from one with a host callback. The pure helpers are
-tested apart."""
+"""benchmarks.propose end to end in --smoke mode (tiny heads on the CPU). The records must be
+complete and consistent, and the HLO scan must tell a clean program from one with a host
+callback. The pure helpers are tested apart; the drafts against the PyTorch reference are
+tests/test_gpu_propose.py's."""
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import math
-import sys
 from collections import Counter
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_propose.py"
-
-
-@functools.cache
-def _load_script():
-    spec = importlib.util.spec_from_file_location("bench_propose", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import propose as bp
 
 
 def _torch_available() -> bool:
@@ -35,7 +23,6 @@ def _torch_available() -> bool:
 
 
 def test_star_and_full_grids():
-    bp = _load_script()
     assert bp.grid_points([1, 3, 5], [1, 8, 64], "star") == [
         (1, 8),
         (3, 1),
@@ -48,7 +35,6 @@ def test_star_and_full_grids():
 
 
 def test_expected_distinct_experts():
-    bp = _load_script()
     assert bp.expected_distinct_experts(512, 10, 1) == pytest.approx(10.0)
     # Many rows touch nearly every expert, never more.
     assert 511 < bp.expected_distinct_experts(512, 10, 2000) <= 512
@@ -61,7 +47,6 @@ def test_expected_distinct_experts():
 
 
 def test_kv_bytes_count_every_row_attended():
-    bp = _load_script()
     from mtpjax.kv import KVDtype
 
     cfg = bp.head_config("dense", smoke=False)
@@ -75,7 +60,6 @@ def test_kv_bytes_count_every_row_attended():
 
 
 def test_real_shapes_are_the_issue_s():
-    bp = _load_script()
     dense = bp.head_config("dense", smoke=False)
     assert (dense.hidden_size, dense.q_proj_width, dense.kv_width) == (5120, 12288, 1024)
     assert (dense.intermediate_size, dense.vocab_size, dense.rotary_dim) == (17408, 248320, 64)
@@ -87,7 +71,6 @@ def test_real_shapes_are_the_issue_s():
 
 
 def test_hlo_scan_flags_host_callbacks():
-    bp = _load_script()
     x = jnp.ones((4,), jnp.float32)
 
     def clean(x):
@@ -105,7 +88,6 @@ def test_hlo_scan_flags_host_callbacks():
 
 
 def test_smoke_run(tmp_path):
-    bp = _load_script()
     out = tmp_path / "propose.json"
     argv = ["--smoke", "--json", str(out), "--precisions", "bf16-nvfp4head"]
     assert bp.main(argv) == 0
@@ -169,14 +151,6 @@ def test_smoke_run(tmp_path):
         assert r["kv_dtype"] == "bf16" and r["in_place"], r
 
     if _torch_available():
-        checks = [r for r in records if r["kind"] == "torch_check"]
-        assert {r["head"] for r in checks} == {"dense", "moe"}
-        for r in checks:
-            assert not r.get("error"), r.get("error")
-            # The F32 reference drafts exactly the JAX tokens, chain and all.
-            assert r["ok"] and r["all_match"] and r["chain_match"] == 1.0
-            assert r["hidden_rel_err"] < 1e-5 and r["prob_rel_err"] < 1e-4
-            assert r["auto_vs_torch"]["all_match"]
         timed = [r for r in records if r["kind"] == "torch"]
         assert {r["head"] for r in timed} == {"dense", "moe"}
         for r in timed:
@@ -192,7 +166,7 @@ def test_smoke_run(tmp_path):
     merged_png = tmp_path / "merged.png"
     merged = bp.merge([out, out], merged_png, k=2, context=40)
     assert len(merged) == 2 * len(records) and merged_png.stat().st_size > 0
-    with pytest.raises(SystemExit, match="not a bench_propose result"):
+    with pytest.raises(SystemExit, match=r"not a benchmarks\.propose result"):
         bp.merge([tmp_path / "propose.png"], merged_png, k=2, context=40)
 
     if jax.device_count() >= 2:

@@ -1,26 +1,18 @@
-"""scripts/profile_propose.py: the Perfetto parsing on a hand-written trace, and one smoke point
-profiled end to end on the CPU."""
+"""benchmarks.profile: the Perfetto parsing on a hand-written trace, and the point syntax."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+from benchmarks import profile
 
 
 def _load():
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("profile_propose", SCRIPTS / "profile_propose.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return profile
 
 
 def _write_trace(path: Path, events: list[dict]) -> None:

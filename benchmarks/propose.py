@@ -1,72 +1,52 @@
 """Propose and verify latency of the MTP drafter at real shapes, against its rooflines and baselines.
 
-    PYTHONPATH=. python3 scripts/bench_propose.py --json $OUT/propose_h200.json
+    python -m benchmarks.propose --json $OUT/propose_h200.json
 
-This writes the JSON records, a plot next to them (``--plot``, default: the JSON path with a
-``.png`` suffix), and prints a table last. The default run is sized for one device call of
-under 10 minutes on one H200 (about 8 expected, not yet measured); the ``--budget-s`` guard
-skips the blocks that would start after the budget and says which ones. The JSON and the plot
-are rewritten as the run goes, so a killed run leaves what it measured.
+This writes the JSON records (rewritten as the run goes, so a killed run keeps what it measured),
+a plot next to them (``--plot``, default: the JSON path as ``.png``), and prints a table last.
+The ``--budget-s`` guard skips the blocks that would start after the budget and says which.
 
-What is measured. All weights are random, at the real shapes:
+All weights are random, at the real shapes:
 
 - **dense**: a Qwen3.5-27B-like head. Hidden 5120; 24 query and 4 KV heads of 256 (gated
   ``q_proj`` 12288 wide); partial RoPE 0.25; dense FFN 17408; LM head ``[248320, 5120]``.
 - **moe**: a Qwen3-Next-80B-like head. Hidden 2048; 16 query and 2 KV heads of 256; 512
   experts of width 512, top-10, plus a 512-wide gated shared expert; LM head ``[151936, 2048]``.
 
-Three precisions:
+Precisions: ``bf16-nvfp4head`` (a BF16 drafter with an NVFP4 LM head), ``fp8`` (everything FP8
+per-row), ``nvfp4`` (everything NVFP4; a dense head keeps fc/k/v in BF16, and the KV pool is FP8;
+BF16 at the other two). Drafts K are 1, 3, 5 and batches B 1, 8, 64. Each sequence's KV holds
+``--context`` (4096) random rows written straight into the pool (no prefill); each propose gets
+the anchor pair at key ``context - 1`` in a window ``K + 1`` pairs wide, as a serving loop passes.
 
-- ``bf16-nvfp4head``: a BF16 drafter with an NVFP4 LM head;
-- ``fp8``: everything FP8 per-row;
-- ``nvfp4``: everything NVFP4. A dense head keeps fc/k/v in BF16 (DESIGN §3). The KV pool is
-  FP8 at this precision and BF16 at the other two (DESIGN §6).
-
-Drafts K are 1, 3, 5 and batches B are 1, 8, 64. The drafter KV holds ``--context`` rows (4096)
-per sequence. They are written straight into the pool as random rows; no prefill is run. Each
-propose gets the anchor pair at key ``context - 1`` in a window ``K + 1`` pairs wide, which is
-the width a serving loop passes. So step 0 attends over ``context`` rows and step j over
-``context + j``.
-
-For every (head, precision, K, B) point the script records:
+For every (head, precision, K, B) point:
 
 - **propose latency**: the median over ``--iters`` synchronous calls of the jitted ``propose``
-  (AOT-compiled, state donated), after ``--warmup`` calls. Between calls, ``verify`` with
-  ``refeed=True`` runs on the returned state (that is ``after_verify``), so each call again
-  starts from ``context`` rows (checked at the end of every loop). The verify call is timed too.
-- **bytes**: the least the step must move. Drafter weights are counted once per draft; for the
-  MoE head that means the router, the shared expert and the expected number of distinct
-  experts that B rows of top-10 routing touch, ``E (1 - (1 - k/E)^B)``. Add the LM head once
-  per draft and the KV rows attended. Logits are not counted; they are reported apart.
-- **roofline ratio**: measured time / (bytes / copy bandwidth). The copy bandwidth is measured
-  in the same run: an elementwise pass over 2 GiB, counting bytes read plus written.
-- **baselines from the same run**:
-  - the same propose with ``implementation="xla"`` (at K = the middle of ``--ks``);
-  - a PyTorch reference of the same drafter step (``scripts/torch_reference_drafter.py``),
-    with weights dequantised to BF16, in eager mode and replayed as a CUDA graph
-    (``--torch-compile`` adds ``torch.compile``). It is timed at the first precision of each
-    head only: once dequantised, the weights are the same size at every precision.
-- **token check**: the reference, run in F32 on the dequantised weights and the same KV rows,
-  must produce the JAX drafts. The JAX side is the XLA path at ``highest`` matmul precision.
-- **hidden costs**: the compiled HLO of each jitted propose is searched for host transfers
-  (send/recv, infeed/outfeed, host callbacks, host memory space). The custom calls it contains
-  are listed, which shows whether the Pallas kernels were used. Once per head and KV dtype,
-  propose is also timed with a KV pool 10x larger at the same context (B=8, K=3), against the
-  1x pool in the same loop: an in-place (donated) update costs the same. The compiler's memory
-  analysis says the same thing without timing: the temporaries must not grow with the pool.
-- **two GPUs** (when ``jax.device_count() >= 2``; first head, first precision): the
-  vocab-parallel LM head (``mtpjax.head.sharded``) and a batch-sharded propose (one state per
-  device under ``shard_map``), each timed against one GPU.
+  (AOT-compiled, state donated), after ``--warmup`` calls, each followed by a synchronous
+  ``verify`` with ``refeed=True`` (timed too) that trims the chain rows, so every call starts
+  from ``context`` rows (checked). ``pipelined_us``: the same propose queued back to back
+  (``benchmarks.harness.time_queued``), the device's own time per call.
+- **bytes**: the least the step must move: drafter weights once per draft (for the MoE head the
+  router, the shared expert and the expected distinct experts B rows of top-10 routing touch,
+  ``E (1 - (1 - k/E)^B)``), the LM head once per draft, and the KV rows attended.
+- **roofline ratio**: time / (bytes / copy bandwidth), the copy measured in the same process.
+- **baselines from the same run**: ``implementation="xla"`` at the middle K, and (when torch is
+  installed) ``benchmarks.torch_reference`` with the weights dequantised to BF16, eager and as a
+  CUDA graph (``--torch-compile`` adds ``torch.compile``), at the first precision of each head.
+- **hidden costs**: the compiled HLO is searched for host transfers and its custom calls listed
+  (whether the Pallas kernels were used). Once per head and KV dtype, propose also runs with a KV
+  pool 10x larger at the same context: donated, the update is in place, so neither its time nor
+  the compiler's temporaries may grow with the pool.
+- **two GPUs** (``jax.device_count() >= 2``; first head and precision): the vocab-parallel LM
+  head and a batch-sharded propose (one state per device under ``shard_map``) against one GPU.
 
-The default grid is a *star* around the middle point (K=3, B=8): every B at K=3, and K=1 and
-K=5 at B=8. That is 5 points per (head, precision), 30 in all. The XLA baseline runs at K=3
-(B = 1, 8, 64). ``--grid full`` runs every (K, B) pair instead, which takes longer than one
-device call allows. Executables are compiled ahead of time, several at once
-(``--compile-workers``), one block (head, precision) at a time. Compile time is most of the
-run. Blocks run precision-major in the order of ``--precisions`` (default nvfp4,
-bf16-nvfp4head, fp8), so a run cut by ``--budget-s`` loses the last precision, not a head.
+The default grid is a *star* around the middle point (K=3, B=8): every B at K=3, K=1 and K=5 at
+B=8. ``--grid full`` runs every (K, B) pair. Executables are compiled ahead of time, several at
+once (``--compile-workers``), one (head, precision) block at a time; blocks run precision-major
+in the order of ``--precisions``, so a run cut by ``--budget-s`` loses the last precision.
 
-``--smoke`` runs tiny shapes on the CPU in seconds. It checks the script, not the GPU.
+``--smoke`` runs tiny shapes on the CPU in seconds. It checks the benchmark, not the GPU; the
+drafts' correctness against the PyTorch reference is ``tests/test_gpu_propose.py``'s.
 """
 
 from __future__ import annotations
@@ -77,47 +57,27 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import importlib.util
-import json
 import os
-import platform
 import re
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from mtpjax import drafter  # noqa: E402
-from mtpjax.config import Architecture, DrafterConfig, FfnKind, MoeConfig  # noqa: E402
-from mtpjax.head import (  # noqa: E402
-    init_lm_head,
-    lm_head,
-    shard_lm_head,
-    sharded_lm_head,
-    verify_copy_used,
-)
-from mtpjax.kv import (  # noqa: E402
-    DrafterState,
-    KVDtype,
-    gather,
-    reserve,
-    row_address,
-    write_rows,
-)
-from mtpjax.layers import DenseFfnParams, MoeFfnParams  # noqa: E402
-from mtpjax.verify import verify  # noqa: E402
+from benchmarks import harness
+from mtpjax import drafter
+from mtpjax.config import Architecture, DrafterConfig, FfnKind, MoeConfig
+from mtpjax.head import init_lm_head, lm_head, shard_lm_head, sharded_lm_head
+from mtpjax.kv import DrafterState, KVDtype, gather, reserve, row_address, write_rows
+from mtpjax.layers import DenseFfnParams, MoeFfnParams
+from mtpjax.verify import verify
 
 PRECISIONS = {  # name -> (drafter precision, LM head precision)
     "bf16-nvfp4head": ("bf16", "nvfp4"),
@@ -137,9 +97,6 @@ SMOKE_COMPILER_OPTIONS = {
     "xla_llvm_disable_expensive_passes": True,
 }
 
-COPY_BYTES = 2 * 2**30  # bytes read by the copy-bandwidth pass (as much again is written)
-
-
 # ---------------------------------------------------------------------------------------------
 # Configs, grid and the bytes model.
 # ---------------------------------------------------------------------------------------------
@@ -147,42 +104,25 @@ COPY_BYTES = 2 * 2**30  # bytes read by the copy-bandwidth pass (as much again i
 
 def head_config(name: str, *, smoke: bool) -> DrafterConfig:
     """The drafter config of a head: real shapes, or tiny ones for --smoke."""
+    ffn = dict(ffn=FfnKind.MOE) if name == "moe" else {}
     if smoke:
-        if name == "dense":
-            return DrafterConfig.tiny(vocab_size=512)
-        return DrafterConfig.tiny(ffn=FfnKind.MOE, vocab_size=512)
-    common = dict(
-        head_dim=256,
-        partial_rotary_factor=0.25,
-        rope_theta=10_000_000.0,
-        max_position_embeddings=262_144,
-    )
+        return DrafterConfig.tiny(vocab_size=512, **ffn)
+    common = dict(head_dim=256, partial_rotary_factor=0.25, rope_theta=10_000_000.0)
+    common.update(max_position_embeddings=262_144)
     if name == "dense":
         return DrafterConfig.tiny(
-            architecture=Architecture.QWEN3_5,
-            hidden_size=5120,
-            vocab_size=248_320,
-            num_attention_heads=24,
-            num_key_value_heads=4,
-            intermediate_size=17_408,
-            **common,
-        )
+            architecture=Architecture.QWEN3_5, hidden_size=5120, vocab_size=248_320,
+            num_attention_heads=24, num_key_value_heads=4, intermediate_size=17_408, **common
+        )  # fmt: skip
+    moe = MoeConfig(
+        num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, shared_expert_gate=True
+    )  # fmt: skip
+    common.update(num_attention_heads=16, num_key_value_heads=2)
     return DrafterConfig.tiny(
-        ffn=FfnKind.MOE,
-        architecture=Architecture.QWEN3_NEXT,
-        hidden_size=2048,
-        vocab_size=151_936,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        moe=MoeConfig(
-            num_experts=512,
-            num_experts_per_tok=10,
-            moe_intermediate_size=512,
-            shared_expert_intermediate_size=512,
-            shared_expert_gate=True,
-        ),
-        **common,
-    )
+        architecture=Architecture.QWEN3_NEXT, hidden_size=2048, vocab_size=151_936, moe=moe,
+        **common, **ffn
+    )  # fmt: skip
 
 
 def grid_points(ks: list[int], batches: list[int], grid: str) -> list[tuple[int, int]]:
@@ -210,46 +150,30 @@ def expected_distinct_experts(num_experts: int, top_k: int, rows: int) -> float:
 
 def drafter_bytes_per_draft(params, cfg: DrafterConfig, batch: int) -> dict:
     """Weight bytes one draft step reads for ``batch`` rows, by part."""
-    attn = params.layer.attention
+    attn, ffn = params.layer.attention, params.layer.ffn
+    norms = (params.pre_fc_norm_embedding, params.pre_fc_norm_hidden, params.norm)
+    norms += (params.layer.input_layernorm, params.layer.post_attention_layernorm)
     parts = {
         "fc": params.fc.nbytes,
         "attention": sum(w.nbytes for w in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)),
-        "norms": _leaf_bytes(
-            (
-                params.pre_fc_norm_embedding,
-                params.pre_fc_norm_hidden,
-                params.norm,
-                params.layer.input_layernorm,
-                params.layer.post_attention_layernorm,
-                attn.q_norm,
-                attn.k_norm,
-            )
-        ),
+        "norms": _leaf_bytes((*norms, attn.q_norm, attn.k_norm)),
         "embedding_rows": batch * cfg.hidden_size * 2,  # BF16 table rows gathered
     }
-    ffn = params.layer.ffn
     if isinstance(ffn, DenseFfnParams):
         parts["ffn"] = sum(w.nbytes for w in (ffn.gate_proj, ffn.up_proj, ffn.down_proj))
     elif isinstance(ffn, MoeFfnParams):
-        e = ffn.num_experts
+        ex, se = ffn.experts, ffn.shared_expert
         per_expert = (
-            sum(
-                w.nbytes
-                for w in (ffn.experts.gate_proj, ffn.experts.up_proj, ffn.experts.down_proj)
-            )
-            / e
+            sum(w.nbytes for w in (ex.gate_proj, ex.up_proj, ex.down_proj)) / ffn.num_experts
         )
-        touched = expected_distinct_experts(e, cfg.moe.num_experts_per_tok, batch)
-        shared = 0
-        if ffn.shared_expert is not None:
-            se = ffn.shared_expert
-            shared = sum(w.nbytes for w in (se.gate_proj, se.up_proj, se.down_proj))
+        touched = expected_distinct_experts(ffn.num_experts, cfg.moe.num_experts_per_tok, batch)
+        shared = (
+            0 if se is None else sum(w.nbytes for w in (se.gate_proj, se.up_proj, se.down_proj))
+        )
         if ffn.shared_expert_gate is not None:
             shared += ffn.shared_expert_gate.nbytes
-        parts["router"] = ffn.router.nbytes
-        parts["shared_expert"] = shared
-        parts["experts"] = round(touched * per_expert)
-        parts["experts_touched"] = touched
+        parts.update(router=ffn.router.nbytes, shared_expert=shared)
+        parts.update(experts=round(touched * per_expert), experts_touched=touched)
     else:
         raise TypeError(type(ffn).__name__)
     parts["total"] = int(sum(v for k, v in parts.items() if k != "experts_touched"))
@@ -275,53 +199,15 @@ def kv_attended_bytes(cfg, kv_dtype, *, k: int, batch: int, context: int) -> int
 # ---------------------------------------------------------------------------------------------
 
 
-def on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
-
-
 def _sync(tree):
     jax.block_until_ready(tree)
     return tree
-
-
-def time_calls(fn, *args, iters: int, warmup: int) -> dict:
-    """Median / p10 / p90 microseconds of synchronous calls ``fn(*args)`` after warm-up."""
-    for _ in range(warmup):
-        _sync(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        _sync(fn(*args))
-        ts.append((time.perf_counter() - t0) * 1e6)
-    return _stats(ts)
-
-
-def _stats(ts: list[float]) -> dict:
-    a = np.asarray(ts)
-    return dict(
-        time_us=float(np.median(a)),
-        p10_us=float(np.percentile(a, 10)),
-        p90_us=float(np.percentile(a, 90)),
-        n=len(ts),
-    )
 
 
 def prng_impl(smoke: bool) -> str:
     """Threefry on the GPU; the RBG generator for --smoke, whose programs compile ~3x faster on
     the CPU (the values differ, nothing else does)."""
     return "rbg" if smoke else "threefry2x32"
-
-
-def copy_bandwidth(*, smoke: bool, iters: int) -> dict:
-    """Device-to-device bandwidth: ``x + 1`` over four buffers (2 GiB read, 2 GiB written)."""
-    total = 4 * 2**16 if smoke else COPY_BYTES
-    n = total // 4 // 4  # uint32 elements per buffer
-    keys = jax.random.split(jax.random.key(123, impl=prng_impl(smoke)), 4)
-    bufs = [jax.random.bits(k, (n,), jnp.uint32) for k in keys]  # random, never zeros
-    f = jax.jit(lambda xs: [x + jnp.uint32(1) for x in xs])
-    st = time_calls(f, bufs, iters=max(iters, 5), warmup=2)
-    moved = 2 * 4 * n * 4
-    return dict(kind="copy_bandwidth", bytes=moved, gbps=moved / st["time_us"] / 1e3, **st)
 
 
 @functools.partial(jax.jit, static_argnames=("pool_cfg", "num_seqs", "context"))
@@ -344,13 +230,8 @@ def filled_state(key, first_seq=0, *, pool_cfg, num_seqs: int, context: int) -> 
     k, v = jax.vmap(rows)(first_seq + jnp.arange(num_seqs))  # f32[B, context, Nkv, D]
     positions = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), (num_seqs, context))
     block, slot = row_address(cache, positions)
-    pool = write_rows(
-        cache.pool,
-        block.reshape(-1),
-        slot.reshape(-1),
-        k.reshape(-1, *shape[1:]),
-        v.reshape(-1, *shape[1:]),
-    )
+    rows_ = (k.reshape(-1, *shape[1:]), v.reshape(-1, *shape[1:]))
+    pool = write_rows(cache.pool, block.reshape(-1), slot.reshape(-1), *rows_)
     cache = dataclasses.replace(cache, pool=pool, seq_len=jnp.full((num_seqs,), context, jnp.int32))
     return DrafterState(
         kv=cache,
@@ -406,22 +287,20 @@ def scan_hlo(text: str) -> dict:
 
 
 def memory_analysis(compiled) -> dict | None:
+    """The compiler's argument, output, aliased and temporary bytes (None where unavailable)."""
+    fields = ("argument", "output", "alias", "temp")
     try:
         ma = compiled.memory_analysis()
+        return {f"{f}_size_in_bytes": int(getattr(ma, f"{f}_size_in_bytes")) for f in fields}
     except Exception:
         return None
-    if ma is None:
-        return None
-    return {
-        f: int(getattr(ma, f))
-        for f in (
-            "argument_size_in_bytes",
-            "output_size_in_bytes",
-            "alias_size_in_bytes",
-            "temp_size_in_bytes",
-        )
-        if hasattr(ma, f)
-    }
+
+
+def pool_bytes(pool_cfg, num_seqs: int) -> int:
+    """Bytes of the KV pool of a ``num_seqs``-sequence state."""
+    return _leaf_bytes(
+        jax.eval_shape(lambda: drafter.init_state(pool_cfg, num_seqs=num_seqs)).kv.pool
+    )
 
 
 def device_memory() -> dict | None:
@@ -453,14 +332,11 @@ def fits_in_memory(compiled, state_bytes: int) -> tuple[bool, str]:
 
 @dataclasses.dataclass
 class Job:
-    """One executable to build: a jitted function, its (abstract) arguments, the matmul
-    precision context it is lowered under."""
+    """One executable to build: a jitted function and its (abstract) arguments."""
 
     key: tuple
     fn: object
     args: tuple
-    highest: bool = False
-    lowered: object = None
     compiled: object = None
     compile_s: float = 0.0
     error: str | None = None
@@ -468,39 +344,26 @@ class Job:
 
 def compile_jobs(jobs: list[Job], *, workers: int, options: dict | None, desc: str) -> None:
     """Lowers each job here, then compiles them in a thread pool (XLA releases the GIL)."""
+    lowered = {}
     for job in jobs:
-        ctx = jax.default_matmul_precision("highest") if job.highest else contextlib.nullcontext()
         try:
-            with ctx:
-                job.lowered = job.fn.lower(*job.args)
+            lowered[job.key] = job.fn.lower(*job.args)
         except Exception as e:
             job.error = f"lowering: {type(e).__name__}: {str(e)[:800]}"
 
-    def build(job: Job) -> Job:
-        if job.lowered is None:
-            return job
+    def build(job: Job) -> None:
         t0 = time.perf_counter()
         try:
-            job.compiled = (
-                job.lowered.compile(compiler_options=options)
-                if options
-                else (job.lowered.compile())
-            )
+            job.compiled = lowered[job.key].compile(compiler_options=options)
         except Exception as e:
             job.error = f"compile: {type(e).__name__}: {str(e)[:800]}"
         job.compile_s = time.perf_counter() - t0
-        return job
 
-    todo = [j for j in jobs if j.lowered is not None]
-    with tqdm(total=len(todo), desc=desc, leave=False) as bar:
-        if workers <= 1:
-            for j in todo:
-                build(j)
-                bar.update()
-        else:
-            with cf.ThreadPoolExecutor(max_workers=workers) as ex:
-                for _ in cf.as_completed([ex.submit(build, j) for j in todo]):
-                    bar.update()
+    todo = [j for j in jobs if j.key in lowered]
+    bar = tqdm(total=len(todo), desc=desc, leave=False)
+    with bar, cf.ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
+        for _ in cf.as_completed([ex.submit(build, j) for j in todo]):
+            bar.update()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,15 +377,11 @@ class Bench:
         self.t0 = time.monotonic()
         self.records: list[dict] = []
         self.skipped: list[str] = []
-        self.gpu = on_gpu()
-        self.meta = dict(
-            command="python3 scripts/bench_propose.py " + " ".join(args.argv),
-            backend=jax.default_backend(),
+        self.gpu = harness.on_gpu()
+        self.meta = harness.run_info(
+            "benchmarks.propose",
+            args.argv,
             devices=[str(d) for d in jax.devices()],
-            device_kind=jax.devices()[0].device_kind,
-            device_count=jax.device_count(),
-            jax=jax.__version__,
-            python=platform.python_version(),
             smoke=args.smoke,
             heads=args.heads,
             precisions=args.precisions,
@@ -536,17 +395,12 @@ class Bench:
             warmup=args.warmup,
             compile_workers=args.compile_workers,
             budget_s=args.budget_s,
-            registered_linear_kernels=[],
-            registered_verify_kernels=[],
             notes=[],
         )
         self.key = jax.random.key(args.seed, impl=prng_impl(args.smoke))
         self.pool10x_done: set = set()
-        self.torch = None
-        self.torch_ref = None
-        self.torch_error = None
-
-    # -- bookkeeping ---------------------------------------------------------------------------
+        self.torch = self.torch_ref = None
+        self.torch_times: dict[tuple, dict] = {}
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -565,46 +419,24 @@ class Bench:
         tqdm.write(f"skipped {what}: {why}")
 
     def save(self) -> None:
-        self.meta["elapsed_s"] = self.elapsed()
-        self.meta["skipped"] = self.skipped
-        path = self.a.json
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(dict(run=self.meta, records=self.records), indent=1))
-        os.replace(tmp, path)
-
-    # -- set-up --------------------------------------------------------------------------------
+        self.meta.update(elapsed_s=self.elapsed(), skipped=self.skipped)
+        harness.write_records(self.a.json, self.records, self.meta)
 
     def setup(self) -> None:
-        self.meta["kernel_registration"] = register_kernels()
-        from mtpjax.head import registered_verify_kernels
-        from mtpjax.weights import registered_kernels
-
-        self.meta["registered_linear_kernels"] = sorted(
-            f"{f.value}/{r.value}" for f, r in registered_kernels()
-        )
-        self.meta["registered_verify_kernels"] = sorted(
-            f.value for f in registered_verify_kernels()
-        )
-        if self.gpu and not self.meta["registered_linear_kernels"]:
-            self.meta["notes"].append(
-                "no Pallas linear kernels are registered: 'auto' projections run the XLA path"
-            )
         if not self.a.skip_torch:
             try:
                 import torch
 
-                self.torch = torch
-                self.torch_ref = load_torch_reference()
+                from benchmarks import torch_reference
+
+                self.torch, self.torch_ref = torch, torch_reference
                 self.meta["torch"] = torch.__version__
             except Exception as e:  # torch is optional
-                self.torch_error = f"{type(e).__name__}: {e}"
                 self.meta["torch"] = None
-                self.meta["notes"].append(f"PyTorch baseline not run: {self.torch_error}")
-        bw = copy_bandwidth(smoke=self.a.smoke, iters=self.a.iters)
-        self.bw_gbps = bw["gbps"]
-        self.meta["copy_gbps"] = self.bw_gbps
-        self.emit(bw)
+                self.meta["notes"].append(f"PyTorch baseline not run: {type(e).__name__}: {e}")
+        bw = harness.copy_bandwidth(smoke=self.a.smoke)
+        self.bw_gbps = self.meta["copy_gbps"] = bw["gbps"]
+        self.emit(dict(kind="copy_bandwidth", **bw))
         tqdm.write(f"copy bandwidth {self.bw_gbps:.0f} GB/s (read + write)")
 
     # -- one (head, precision) block -------------------------------------------------------------
@@ -634,81 +466,42 @@ class Bench:
         key = self.key
         t_init = time.perf_counter()
         params = drafter.init(cfg, key=jax.random.fold_in(key, 1), precision=dprec)
-        head = init_lm_head(
-            head_cfg,
-            key=jax.random.fold_in(key, 2),
-            precision=hprec,
-            verify_copy=verify_copy_used(hprec),
-        )
+        head = init_lm_head(head_cfg, key=jax.random.fold_in(key, 2), precision=hprec)
         _sync((params, head))
         init_s = time.perf_counter() - t_init
         kmax = max(a.ks)
-        pool_cfgs = {
-            (b, f): drafter.pool_config(
-                cfg, precision=dprec, max_seq_len=a.context + kmax + 1, max_seqs=b * f
-            )
-            for b in a.batches
-            for f in (1, 10)
-        }
+        pool_cfg = functools.partial(
+            drafter.pool_config, cfg, precision=dprec, max_seq_len=a.context + kmax + 1
+        )
+        pool_cfgs = {(b, f): pool_cfg(max_seqs=b * f) for b in a.batches for f in (1, 10)}
         kv_dtype = pool_cfgs[(a.batches[0], 1)].kv_dtype
         points = grid_points(a.ks, a.batches, a.grid)
         kc, bc = center(a.ks), center(a.batches)
-        base = dict(
-            head=head_name,
-            precision=prec,
-            drafter_precision=dprec,
-            head_precision=hprec,
-            kv_dtype=kv_dtype.value,
-            context=a.context,
-        )
-        self.emit(
-            dict(
-                kind="memory_plan",
-                **base,
-                drafter_weight_bytes=_leaf_bytes(params),
-                lm_head_bytes=head.weight.nbytes,
-                verify_copy_bytes=_leaf_bytes(head.verify_weight),
-                embedding_bytes=_leaf_bytes(head.embedding),
-                kv_pool_bytes={
-                    str(b): _leaf_bytes(
-                        jax.eval_shape(
-                            lambda c=pool_cfgs[(b, 1)], b=b: drafter.init_state(c, num_seqs=b)
-                        ).kv.pool
-                    )
-                    for b in a.batches
-                },
-                kv_pool_10x_bytes_at_center_batch=_leaf_bytes(
-                    jax.eval_shape(
-                        lambda: drafter.init_state(pool_cfgs[(bc, 10)], num_seqs=bc)
-                    ).kv.pool
-                ),
-                device_memory=device_memory(),
-                init_s=init_s,
-            )
-        )
+        base = dict(head=head_name, precision=prec, drafter_precision=dprec)
+        base.update(head_precision=hprec, kv_dtype=kv_dtype.value, context=a.context)
+        plan = dict(kind="memory_plan", **base, drafter_weight_bytes=_leaf_bytes(params))
+        plan.update(lm_head_bytes=head.weight.nbytes, embedding_bytes=_leaf_bytes(head.embedding))
+        plan["kv_pool_bytes"] = {str(b): pool_bytes(pool_cfgs[(b, 1)], b) for b in a.batches}
+        plan["kv_pool_10x_bytes_at_center_batch"] = pool_bytes(pool_cfgs[(bc, 10)], bc)
+        self.emit(dict(plan, device_memory=device_memory(), init_s=init_s))
 
-        # Executables: propose (auto; xla at the baseline K), verify, the 10x pool, the check.
+        # Executables: propose (auto; xla at the baseline K), verify, the 10x pool.
         def eff(impl: str) -> str:
             return impl if self.gpu else "xla"  # off-GPU "auto" is the XLA path
 
         def state_abs(b: int, f: int = 1):
-            return jax.eval_shape(
-                functools.partial(
-                    filled_state, pool_cfg=pool_cfgs[(b, f)], num_seqs=b, context=a.context
-                ),
-                key,
-            )
+            fill = functools.partial(filled_state, pool_cfg=pool_cfgs[(b, f)], num_seqs=b)
+            return jax.eval_shape(functools.partial(fill, context=a.context), key)
 
         def pairs_abs(k: int, b: int):
-            return jax.eval_shape(
-                functools.partial(make_pairs, cfg=cfg, k=k, batch=b, context=a.context), key
-            )
+            make = functools.partial(make_pairs, cfg=cfg, k=k, batch=b, context=a.context)
+            return jax.eval_shape(make, key)
 
         jobs: dict[tuple, Job] = {}
         drafts_abs: dict[tuple, object] = {}
 
-        def want(kind: str, impl: str, k: int, b: int, *, factor: int = 1, highest=False):
-            jk = (kind, eff(impl), k, b, factor, highest and self.gpu)
+        def want(kind: str, impl: str, k: int, b: int, *, factor: int = 1):
+            jk = (kind, eff(impl), k, b, factor)
             if jk in jobs:
                 return jk
             if kind == "propose":
@@ -723,7 +516,7 @@ class Bench:
                 th = jax.ShapeDtypeStruct((b, k + 1, cfg.hidden_size), jnp.float32)
                 fn = verify_fn(head_cfg, eff(impl))
                 args = (head, state_abs(b), th, drafts)
-            jobs[jk] = Job(key=jk, fn=fn, args=args, highest=highest and self.gpu)
+            jobs[jk] = Job(key=jk, fn=fn, args=args)
             return jk
 
         plan = {}
@@ -736,13 +529,10 @@ class Bench:
                     propose_xla=want("propose", "xla", k, b),
                     verify_xla=want("verify", "xla", k, b),
                 )
-        check_point = (kmax, bc)
         extra = {}
         if (head_name, kv_dtype) not in self.pool10x_done:  # once per head and KV dtype
             self.pool10x_done.add((head_name, kv_dtype))
             extra["pool10x"] = want("propose", "auto", kc, bc, factor=10)
-        if first_of_head and self.torch_ref is not None:
-            extra["check"] = want("propose", "xla", *check_point, highest=True)
         options = SMOKE_COMPILER_OPTIONS if a.smoke else None
         compile_jobs(
             list(jobs.values()),
@@ -764,9 +554,7 @@ class Bench:
             if self.over_budget():
                 self.skip(f"torch {head_name}", f"over the {a.budget_s:.0f} s budget")
             else:
-                self.torch_section(
-                    cfg, params, head, pool_cfgs, base, jobs, extra.get("check"), points, kv_dtype
-                )
+                self.torch_section(cfg, params, head, pool_cfgs, base, points)
         if first_of_head and head_name == a.heads[0]:
             if jax.device_count() < 2:
                 self.meta["notes"].append("two-GPU section not run: one device")
@@ -783,34 +571,29 @@ class Bench:
 
     def seeded_state(self, pool_cfg, b: int) -> DrafterState:
         """B sequences holding ``--context`` rows, as every timing loop of batch B starts."""
-        return filled_state(
-            self.state_key(b), pool_cfg=pool_cfg, num_seqs=b, context=self.a.context
-        )
+        key = self.state_key(b)
+        return filled_state(key, pool_cfg=pool_cfg, num_seqs=b, context=self.a.context)
 
     def seeded_pairs(self, cfg, k: int, b: int) -> drafter.Pairs:
         """The propose window of every (K, B) timing loop."""
-        return make_pairs(
-            jax.random.fold_in(self.key, 2000 + 10 * b + k),
-            cfg,
-            k=k,
-            batch=b,
-            context=self.a.context,
-        )
+        key = jax.random.fold_in(self.key, 2000 + 10 * b + k)
+        return make_pairs(key, cfg, k=k, batch=b, context=self.a.context)
+
+    def rounds(self, propose_c, verify_c, params, head, state, pairs, th, **kw) -> dict:
+        a = self.a
+        kw.update(iters=a.iters, warmup=a.warmup, context=a.context)
+        return time_rounds(propose_c, verify_c, params, head, state, pairs, th, **kw)
 
     def point(self, cfg, head_cfg, params, head, pool_cfgs, base, jobs, plan, k, b) -> None:
         a = self.a
         rec = dict(kind="propose", **base, k=k, batch=b, impl="auto", iters=a.iters)
         job = jobs[plan["propose"]]
         if job.compiled is None:
-            rec["error"] = job.error
-            self.emit(rec)
+            self.emit(dict(rec, error=job.error))
             return
-        rec["compile_s"] = job.compile_s
-        rec["hlo"] = scan_hlo(job.compiled.as_text())
-        rec["memory"] = memory_analysis(job.compiled)
-        sb = _leaf_bytes(job.args[2])
-        ok, msg = fits_in_memory(job.compiled, sb)
-        rec["memory_check"] = msg
+        rec.update(compile_s=job.compile_s, hlo=scan_hlo(job.compiled.as_text()))
+        ok, msg = fits_in_memory(job.compiled, _leaf_bytes(job.args[2]))
+        rec.update(memory=memory_analysis(job.compiled), memory_check=msg)
         if not ok:
             self.skip(f"{base['head']}/{base['precision']} K={k} B={b}", msg)
             return
@@ -822,16 +605,10 @@ class Bench:
         kv_bytes = kv_attended_bytes(cfg, kv_dtype, k=k, batch=b, context=a.context)
         total = k * (d["total"] + head_bytes) + kv_bytes
         roof = total / (self.bw_gbps * 1e3)
-        rec.update(
-            drafter_bytes_per_draft=d["total"],
-            drafter_bytes_parts=d,
-            head_bytes_per_draft=head_bytes,
-            weight_bytes=k * (d["total"] + head_bytes),
-            kv_bytes=kv_bytes,
-            bytes=total,
-            logits_bytes=k * b * head_cfg.draft_rows * 4 * 2,  # written and read, not counted
-            roofline_us=roof,
-        )
+        rec.update(drafter_bytes_per_draft=d["total"], drafter_bytes_parts=d)
+        rec.update(head_bytes_per_draft=head_bytes, weight_bytes=k * (d["total"] + head_bytes))
+        rec.update(kv_bytes=kv_bytes, bytes=total, roofline_us=roof)
+        rec["logits_bytes"] = k * b * head_cfg.draft_rows * 4 * 2  # written and read, not counted
 
         # Auto, then the XLA baseline, each with its verify.
         pairs = self.seeded_pairs(cfg, k, b)
@@ -845,34 +622,20 @@ class Bench:
                 rec[f"{impl}_error"] = pj.error or vj.error
                 continue
             state = self.seeded_state(pool_cfgs[(b, 1)], b)
-            res = time_rounds(
-                pj.compiled,
-                vj.compiled,
-                params,
-                head,
-                state,
-                pairs,
-                th,
-                iters=a.iters,
-                warmup=a.warmup,
-                context=a.context,
-            )
+            res = self.rounds(pj.compiled, vj.compiled, params, head, state, pairs, th)
             prefix = "" if impl == "auto" else "xla_"
             if impl == "auto":  # the same executable back to back: what the device itself takes
                 # time_rounds consumed (donated) the state above.
                 fresh = self.seeded_state(pool_cfgs[(b, 1)], b)
                 rec["pipelined_us"] = time_pipelined(
-                    pj.compiled, params, head, fresh, pairs, iters=a.iters
+                    pj.compiled, params, head, fresh, pairs, smoke=a.smoke
                 )
                 del fresh
                 rec["pipelined_per_draft_us"] = rec["pipelined_us"] / k
-            rec[f"{prefix}time_us"] = res["propose"]["time_us"]
-            rec[f"{prefix}p10_us"] = res["propose"]["p10_us"]
-            rec[f"{prefix}p90_us"] = res["propose"]["p90_us"]
+            rec.update({prefix + f: res["propose"][f] for f in ("time_us", "p10_us", "p90_us")})
             rec[f"{prefix}per_draft_us"] = res["propose"]["time_us"] / k
             rec[f"{prefix}verify_us"] = res["verify"]["time_us"]
-            rec[f"{prefix}context_kept"] = res["context_kept"]
-            rec[f"{prefix}kv_errors"] = res["kv_errors"]
+            rec.update({prefix + f: res[f] for f in ("context_kept", "kv_errors")})
             if impl == "auto":
                 rec["drafts_sample"] = res["tokens"][: min(b, 4)].tolist()
             else:
@@ -886,15 +649,12 @@ class Bench:
             rec["xla_over_auto"] = rec["xla_time_us"] / rec["time_us"]
         # Verify: (K+1) * B rows through the full head + acceptance + the drafter trim.
         vbytes = head.weight.nbytes + b * (k + 1) * cfg.hidden_size * 4
-        rec.update(
-            verify_rows=b * (k + 1),
-            verify_bytes=vbytes,
-            verify_logits_bytes=b * (k + 1) * head_cfg.vocab_size * 4 * 2,
-            verify_roofline_us=vbytes / (self.bw_gbps * 1e3),
-        )
+        rec.update(verify_rows=b * (k + 1), verify_bytes=vbytes)
+        rec["verify_logits_bytes"] = b * (k + 1) * head_cfg.vocab_size * 4 * 2
+        rec["verify_roofline_us"] = vbytes / (self.bw_gbps * 1e3)
         if "verify_us" in rec:
             rec["verify_roofline_ratio"] = rec["verify_us"] / rec["verify_roofline_us"]
-        trec = getattr(self, "torch_times", {}).get((base["head"], k, b))
+        trec = self.torch_times.get((base["head"], k, b))
         if trec is not None:
             _set_torch_fields(rec, trec)
         self.emit(rec)
@@ -903,12 +663,10 @@ class Bench:
         """Propose with a KV pool 10x larger, same context: donation makes the update in place,
         so the time must not grow with the pool. Proposing again without a verify drops the
         previous chain rows itself, so the context stays put between calls."""
-        a = self.a
         job = jobs[jk]
         rec = dict(kind="pool_10x", **base, k=k, batch=b, impl="auto")
         if job.compiled is None:
-            rec["error"] = job.error
-            self.emit(rec)
+            self.emit(dict(rec, error=job.error))
             return
         ok, msg = fits_in_memory(job.compiled, _leaf_bytes(job.args[2]))
         if not ok:
@@ -916,62 +674,31 @@ class Bench:
             return
         pairs = self.seeded_pairs(cfg, k, b)
         state = self.seeded_state(pool_cfgs[(b, 10)], b)
-        res = time_rounds(
-            job.compiled,
-            None,
-            params,
-            head,
-            state,
-            pairs,
-            None,
-            iters=a.iters,
-            warmup=a.warmup,
-            context=a.context,
-        )
-        pool_bytes = _leaf_bytes(job.args[2].kv.pool)
-        pool_1x_bytes = _leaf_bytes(
-            jax.eval_shape(lambda: drafter.init_state(pool_cfgs[(b, 1)], num_seqs=b)).kv.pool
-        )
-        rec.update(pool_bytes=pool_bytes, pool_1x_bytes=pool_1x_bytes)
+        res = self.rounds(job.compiled, None, params, head, state, pairs, None)
+        big, small = _leaf_bytes(job.args[2].kv.pool), pool_bytes(pool_cfgs[(b, 1)], b)
+        rec.update(pool_bytes=big, pool_1x_bytes=small)
         # The compiler's own account: a pool-sized copy or conversion shows up as temporaries
         # that grow with the pool.
-        one = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1, False))
+        one = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1))
         m10 = memory_analysis(job.compiled)
         m1 = memory_analysis(one.compiled) if one is not None and one.compiled else None
         if m1 and m10:
             growth = m10["temp_size_in_bytes"] - m1["temp_size_in_bytes"]
             rec.update(
-                temp_bytes_1x=m1["temp_size_in_bytes"],
-                temp_bytes_10x=m10["temp_size_in_bytes"],
-                in_place=bool(
-                    growth < 0.5 * (pool_bytes - pool_1x_bytes)
-                    and m10["alias_size_in_bytes"] >= pool_bytes
-                ),
+                temp_bytes_1x=m1["temp_size_in_bytes"], temp_bytes_10x=m10["temp_size_in_bytes"]
             )
+            rec["in_place"] = bool(
+                growth < 0.5 * (big - small) and m10["alias_size_in_bytes"] >= big
+            )
+        rec.update({f: res["propose"][f] for f in ("time_us", "p10_us", "p90_us")})
         rec.update(
-            time_us=res["propose"]["time_us"],
-            context_kept=res["context_kept"],
-            p10_us=res["propose"]["p10_us"],
-            p90_us=res["propose"]["p90_us"],
-            memory=memory_analysis(job.compiled),
-            hlo=scan_hlo(job.compiled.as_text()),
+            context_kept=res["context_kept"], memory=m10, hlo=scan_hlo(job.compiled.as_text())
         )
         del state
         # The same executable's pool, timed by the same loop.
         if one is not None and one.compiled is not None:
             state = self.seeded_state(pool_cfgs[(b, 1)], b)
-            res1 = time_rounds(
-                one.compiled,
-                None,
-                params,
-                head,
-                state,
-                pairs,
-                None,
-                iters=a.iters,
-                warmup=a.warmup,
-                context=a.context,
-            )
+            res1 = self.rounds(one.compiled, None, params, head, state, pairs, None)
             rec["pool_1x_time_us"] = res1["propose"]["time_us"]
             rec["ratio_10x_over_1x"] = rec["time_us"] / rec["pool_1x_time_us"]
             del state
@@ -979,113 +706,49 @@ class Bench:
 
     # -- PyTorch --------------------------------------------------------------------------------
 
-    def torch_section(self, cfg, params, head, pool_cfgs, base, jobs, check_jk, points, kv_dtype):
-        torch, ref = self.torch, self.torch_ref
-        a = self.a
+    def torch_section(self, cfg, params, head, pool_cfgs, base, points) -> None:
+        """PyTorch BF16 eager and CUDA-graph times of the same drafter step (weights
+        dequantised, so the same at every precision: timed at the head's first precision)."""
+        torch, ref, a = self.torch, self.torch_ref, self.a
         dev = "cuda" if self.gpu and torch.cuda.is_available() else "cpu"
         if self.gpu and dev == "cpu":
             self.meta["notes"].append("torch has no CUDA device here: PyTorch baseline on CPU")
-        dims = ref.Dims.from_config(cfg)
-
-        def inputs(k, b, pool_f=1):
-            return self.seeded_state(pool_cfgs[(b, pool_f)], b), self.seeded_pairs(cfg, k, b)
-
-        def torch_kv(state, capacity, dtype):
-            kk, vv = jax.block_until_ready(held_rows(state.kv, a.context))
-            kt = ref._to_torch(kk, torch.float32).to(dev)
-            vt = ref._to_torch(vv, torch.float32).to(dev)
-            return ref.kv_cache_from_rows(kt, vt, capacity=capacity, dtype=dtype)
-
-        def torch_anchor(pairs, dtype):
-            tok = torch.from_numpy(np.array(pairs.tokens[:, 0], np.int64))
-            hid = torch.from_numpy(np.array(pairs.hidden[:, 0].astype(jnp.float32)))
-            return tok.to(dev), hid.to(dev, dtype)
-
-        # 1. Token check: F32 reference against the XLA path at highest precision.
-        if check_jk is not None:
-            k, b = check_jk[2], check_jk[3]
-            rec = dict(kind="torch_check", **base, k=k, batch=b, torch_dtype="float32")
-            job = jobs[check_jk]
-            try:
-                if job.compiled is None:
-                    raise RuntimeError(job.error)
-                w32 = ref.weights_from_jax(params, head, cfg, dtype=torch.float32)
-                w32 = _move(w32, dev)
-                state, pairs = inputs(k, b)
-                kc, vc = torch_kv(state, a.context + k, torch.float32)
-                out, state = job.compiled(params, head, state, pairs)
-                jt, jp, jh = (np.asarray(x) for x in (out.tokens, out.probs, out.hidden))
-                del state
-                model = ref.TorchDrafter(w32, dims, kv_round=kv_dtype.value)
-                tok, hid = torch_anchor(pairs, torch.float32)
-                length = torch.full((b,), a.context, dtype=torch.long, device=dev)
-                anchor = torch.full((b,), a.context - 1, dtype=torch.long, device=dev)
-                with torch.no_grad(), _torch_f32_exact(torch):
-                    tt, tp, th = model.propose(tok, hid, anchor, kc, vc, length, num_drafts=k)
-                rec.update(compare_drafts(jt, jp, jh, *(x.cpu().numpy() for x in (tt, tp, th))))
-                rec["jax_side"] = "xla, highest matmul precision"
-                # The auto path's drafts (the timed executable) on the same inputs.
-                auto = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1, False))
-                if auto is not None and auto.compiled is not None:
-                    state, pairs = inputs(k, b)
-                    out_auto, state = auto.compiled(params, head, state, pairs)
-                    at = np.asarray(out_auto.tokens)
-                    rec["auto_vs_torch"] = compare_drafts(
-                        at,
-                        np.asarray(out_auto.probs),
-                        np.asarray(out_auto.hidden),
-                        *(x.cpu().numpy() for x in (tt, tp, th)),
-                    )
-                    del state
-                del w32, kc, vc, model
-            except Exception as e:
-                rec["ok"] = False
-                rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
-            self.emit(rec)
-            tqdm.write(
-                f"torch check {base['head']}: ok={rec.get('ok')} "
-                f"chain_match={rec.get('chain_match')} hidden_rel_err={rec.get('hidden_rel_err')}"
-            )
-            _free_torch(torch)
-
-        # 2. Timing: BF16 weights, eager and CUDA graph (and torch.compile when asked).
         try:
-            w16 = _move(ref.weights_from_jax(params, head, cfg, dtype=torch.bfloat16), dev)
+            w16 = ref.weights_from_jax(params, head, cfg, dtype=torch.bfloat16).to(dev)
         except Exception as e:
             self.skip(f"torch timing {base['head']}", f"{type(e).__name__}: {e}")
             return
-        model = ref.TorchDrafter(w16, dims)
+        model = ref.TorchDrafter(w16, ref.Dims.from_config(cfg))
         for k, b in tqdm(points, desc=f"torch {base['head']}", leave=False):
             rec = dict(kind="torch", **base, k=k, batch=b, torch_dtype="bfloat16", device=dev)
             try:
-                state, pairs = inputs(k, b)
-                kc, vc = torch_kv(state, a.context + k, torch.bfloat16)
+                state, pairs = self.seeded_state(pool_cfgs[(b, 1)], b), self.seeded_pairs(cfg, k, b)
+                kk, vv = jax.block_until_ready(held_rows(state.kv, a.context))
                 del state
-                tok, hid = torch_anchor(pairs, torch.bfloat16)
+                kc, vc = ref.kv_cache_from_rows(
+                    ref.to_torch(kk, torch.float32).to(dev),
+                    ref.to_torch(vv, torch.float32).to(dev),
+                    capacity=a.context + k,
+                    dtype=torch.bfloat16,
+                )
+                tok = torch.from_numpy(np.array(pairs.tokens[:, 0], np.int64)).to(dev)
+                hid = torch.from_numpy(np.array(pairs.hidden[:, 0].astype(jnp.float32)))
+                hid = hid.to(dev, torch.bfloat16)
                 anchor = torch.full((b,), a.context - 1, dtype=torch.long, device=dev)
                 base_len = torch.full((b,), a.context, dtype=torch.long, device=dev)
                 length = base_len.clone()
 
-                def run(
-                    model=model,
-                    tok=tok,
-                    hid=hid,
-                    anchor=anchor,
-                    kc=kc,
-                    vc=vc,
-                    length=length,
-                    base_len=base_len,
-                    k=k,
-                ):
-                    length.copy_(base_len)
-                    return model.propose(tok, hid, anchor, kc, vc, length, num_drafts=k)
+                def run(m=model, t=tok, h=hid, a0=anchor, kc=kc, vc=vc, n=length, b0=base_len, k=k):
+                    n.copy_(b0)
+                    return m.propose(t, h, a0, kc, vc, n, num_drafts=k)
 
                 with torch.no_grad():
                     rec["eager"] = _time_torch(torch, run, dev, a.iters, a.warmup)
-                    if dev == "cuda":
-                        rec["cuda_graph"] = _time_cuda_graph(torch, run, a.iters, a.warmup)
-                    else:
-                        rec["cuda_graph"] = dict(error="no CUDA device")
+                    rec["cuda_graph"] = (
+                        _time_cuda_graph(torch, run, a.iters, a.warmup)
+                        if dev == "cuda"
+                        else dict(error="no CUDA device")
+                    )
                     if a.torch_compile:
                         rec["torch_compile"] = _time_torch_compile(
                             torch, run, dev, a.iters, a.warmup
@@ -1099,7 +762,9 @@ class Bench:
             self.emit(rec)
             self._attach_torch(rec)
         del model, w16
-        _free_torch(torch)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _attach_torch(self, trec: dict) -> None:
         """Copies the PyTorch times into every propose record of that head, K and B: the
@@ -1112,7 +777,6 @@ class Bench:
                 and r["batch"] == trec["batch"]
             ):
                 _set_torch_fields(r, trec)
-        self.torch_times = getattr(self, "torch_times", {})
         self.torch_times[(trec["head"], trec["k"], trec["batch"])] = trec
         self.save()
 
@@ -1131,9 +795,7 @@ class Bench:
         except Exception as e:
             self.skip("sharded LM head", f"{type(e).__name__}: {e}")
             sharded = None
-        one = jax.jit(
-            lambda h, x: jnp.argmax(lm_head(h, x, cfg=head_cfg, draft=True), -1).astype(jnp.int32)
-        )
+        one = jax.jit(lambda h, x: jnp.argmax(lm_head(h, x, cfg=head_cfg, draft=True), -1))
         two = jax.jit(
             lambda sh, x: sharded_lm_head(sh, x, cfg=head_cfg, draft=True, with_logits=False).token
         )
@@ -1142,21 +804,14 @@ class Bench:
             try:
                 x = normal_f32(jax.random.fold_in(key, 4000 + b), (b, cfg.hidden_size))
                 x2 = jax.device_put(x, NamedSharding(mesh, P()))
-                c1 = _compile(one, (head, x), opts)
-                c2 = _compile(two, (sharded, x2), opts)
-                t1 = time_calls(c1, head, x, iters=a.iters, warmup=a.warmup)
-                t2 = time_calls(c2, sharded, x2, iters=a.iters, warmup=a.warmup)
-                rec.update(
-                    one_gpu_us=t1["time_us"],
-                    two_gpu_us=t2["time_us"],
-                    speedup=t1["time_us"] / t2["time_us"],
-                    head_bytes=head.weight.nbytes,
-                    roofline_one_gpu_us=head.weight.nbytes / (self.bw_gbps * 1e3),
-                    tokens_match=bool(
-                        np.array_equal(np.asarray(c1(head, x)), np.asarray(c2(sharded, x2)))
-                    ),
-                    hlo=scan_hlo(c2.as_text()),
-                )
+                c1, c2 = _compile(one, (head, x), opts), _compile(two, (sharded, x2), opts)
+                kw = dict(iters=a.iters, warmup=a.warmup)
+                t1 = harness.time_synced(functools.partial(c1, head, x), **kw)["time_us"]
+                t2 = harness.time_synced(functools.partial(c2, sharded, x2), **kw)["time_us"]
+                same = np.array_equal(np.asarray(c1(head, x)), np.asarray(c2(sharded, x2)))
+                rec.update(one_gpu_us=t1, two_gpu_us=t2, speedup=t1 / t2, tokens_match=bool(same))
+                rec.update(head_bytes=head.weight.nbytes, hlo=scan_hlo(c2.as_text()))
+                rec["roofline_one_gpu_us"] = head.weight.nbytes / (self.bw_gbps * 1e3)
             except Exception as e:
                 rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
             self.emit(rec)
@@ -1173,18 +828,12 @@ class Bench:
             rec = dict(kind="sharded_propose", **base, k=k, batch=b, devices=2, impl="auto")
             try:
                 half = b // 2
+                half_cfg = drafter.pool_config(
+                    cfg, precision=base["drafter_precision"], max_seqs=half,
+                    max_seq_len=a.context + max(a.ks) + 1,
+                )  # fmt: skip
                 f = functools.partial(
-                    filled_state,
-                    pool_cfg=pool_cfgs[(half, 1)]
-                    if (half, 1) in pool_cfgs
-                    else drafter.pool_config(
-                        cfg,
-                        precision=base["drafter_precision"],
-                        max_seq_len=a.context + max(a.ks) + 1,
-                        max_seqs=half,
-                    ),
-                    num_seqs=half,
-                    context=a.context,
+                    filled_state, pool_cfg=half_cfg, num_seqs=half, context=a.context
                 )
                 # The one-GPU point's rows: sequences 0..B/2-1 on one device, the rest on the
                 # other.
@@ -1195,43 +844,17 @@ class Bench:
                 pairs = jax.tree.map(lambda t, h=half: t.reshape(2, h, *t.shape[1:]), pairs)
                 pairs = jax.device_put(pairs, NamedSharding(dp, P("dp")))
                 c = _compile(fn, (params2, head2, states, pairs), opts)
-                res = time_rounds(
-                    c,
-                    None,
-                    params2,
-                    head2,
-                    states,
-                    pairs,
-                    None,
-                    iters=a.iters,
-                    warmup=a.warmup,
-                    context=a.context,
-                    sharded=True,
-                )
-                rec.update(
-                    two_gpu_us=res["propose"]["time_us"],
-                    per_draft_us=res["propose"]["time_us"] / k,
-                    context_kept=res["context_kept"],
-                    hlo=scan_hlo(c.as_text()),
-                )
+                res = self.rounds(c, None, params2, head2, states, pairs, None, sharded=True)
+                t2 = res["propose"]["time_us"]
+                rec.update(two_gpu_us=t2, per_draft_us=t2 / k, context_kept=res["context_kept"])
+                rec["hlo"] = scan_hlo(c.as_text())
                 del states
                 # One GPU, all B sequences, timed by the same loop (no verify in between).
-                one = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1, False))
+                one = jobs.get(("propose", "auto" if self.gpu else "xla", k, b, 1))
                 if one is not None and one.compiled is not None:
                     state = self.seeded_state(pool_cfgs[(b, 1)], b)
                     pairs1 = self.seeded_pairs(cfg, k, b)
-                    res1 = time_rounds(
-                        one.compiled,
-                        None,
-                        params,
-                        head,
-                        state,
-                        pairs1,
-                        None,
-                        iters=a.iters,
-                        warmup=a.warmup,
-                        context=a.context,
-                    )
+                    res1 = self.rounds(one.compiled, None, params, head, state, pairs1, None)
                     del state
                     rec["one_gpu_us"] = res1["propose"]["time_us"]
                     rec["speedup"] = rec["one_gpu_us"] / rec["two_gpu_us"]
@@ -1290,19 +913,9 @@ def _compile(fn, args, options):
 
 
 def time_rounds(
-    propose_c,
-    verify_c,
-    params,
-    head,
-    state,
-    pairs,
-    target_hidden,
-    *,
-    iters,
-    warmup,
-    context,
+    propose_c, verify_c, params, head, state, pairs, target_hidden, *, iters, warmup, context,
     sharded: bool = False,
-) -> dict:
+) -> dict:  # fmt: skip
     """Synchronous propose calls, each followed by a synchronous verify (which trims the rows
     the propose added) when ``verify_c`` is given. Returns median times, the drafts of the last
     call and whether the context stayed at ``context`` rows."""
@@ -1323,109 +936,41 @@ def time_rounds(
         tokens = out if sharded else out.tokens
     tokens = np.asarray(tokens)
     k = tokens.shape[-1]
-    seq_len = np.asarray(state.kv.seq_len)
-    errors = np.asarray(state.kv.error)
+    seq_len, errors = np.asarray(state.kv.seq_len), np.asarray(state.kv.error)
     # Without a verify the last call's K - 1 chain rows are still held (the next propose would
     # drop them itself).
     held = context if verify_c is not None else context + k - 1
     return dict(
-        propose=_stats(tp),
-        verify=_stats(tv) if verify_c is not None else None,
+        propose=harness.stats(tp),
+        verify=harness.stats(tv) if verify_c is not None else None,
         tokens=tokens.reshape(-1, k),
         context_kept=bool(np.all(seq_len == held)),
         kv_errors=int(np.count_nonzero(errors)),
     )
 
 
-def time_pipelined(propose_c, params, head, state, pairs, *, iters: int) -> float:
-    """Microseconds per propose when ``iters`` calls are queued back to back and synchronised
-    once at the end: the host's dispatch overlaps the device's work, so this is the device's
-    own time per call (a serving loop that keeps the device busy sees it). Each call drops the
-    K - 1 chain rows the previous one held, so the context stays the same."""
-    out, state = propose_c(params, head, state, pairs)
-    _sync((out, state))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out, state = propose_c(params, head, state, pairs)
-    _sync((out, state))
-    return (time.perf_counter() - t0) / iters * 1e6
+def time_pipelined(propose_c, params, head, state, pairs, *, smoke: bool) -> float:
+    """µs per propose queued back to back (:func:`benchmarks.harness.time_queued`): the host's
+    dispatch overlaps the device's work, so this is the device's own time per call. Each call
+    drops the K - 1 chain rows the previous one held, so the context stays the same."""
+    holder = [state]
 
+    def call():
+        out, holder[0] = propose_c(params, head, holder[0], pairs)
+        return out, holder[0]
 
-def compare_drafts(jt, jp, jh, tt, tp, th) -> dict:
-    """Agreement of two draft chains (tokens [B, K], probs [B, K], hidden [B, K, H]).
-
-    After the first disagreement a chain legitimately diverges, so agreement is the common
-    prefix per sequence; probabilities and hidden states are compared over that prefix.
-    """
-    B, K = jt.shape
-    same = jt == tt
-    prefix = np.where(same.all(1), K, np.argmin(same, axis=1))
-    mask = np.arange(K)[None, :] < prefix[:, None]
-    hid0 = float(np.linalg.norm(th[:, 0] - jh[:, 0]) / max(np.linalg.norm(jh[:, 0]), 1e-30))
-    prob_err = float(np.max(np.abs(tp - jp)[mask] / np.abs(jp)[mask])) if mask.any() else None
-    return dict(
-        all_match=bool((prefix == K).all()),
-        first_draft_match=float(np.mean(prefix >= 1)),
-        chain_match=float(prefix.mean() / K),
-        mismatched_sequences=int((prefix < K).sum()),
-        hidden_rel_err=hid0,
-        prob_rel_err=prob_err,
-        ok=bool(prefix.min() >= 1 and hid0 < 1e-3),
-        jax_tokens=jt[: min(B, 4)].tolist(),
-        torch_tokens=tt[: min(B, 4)].tolist(),
-    )
+    _sync(call())
+    return harness.time_queued(call, **(harness.SMOKE_CALLS if smoke else {}))
 
 
 # ---------------------------------------------------------------------------------------------
-# PyTorch helpers.
+# PyTorch timing.
 # ---------------------------------------------------------------------------------------------
-
-
-def load_torch_reference():
-    path = Path(__file__).resolve().parent / "torch_reference_drafter.py"
-    spec = importlib.util.spec_from_file_location("torch_reference_drafter", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def _move(weights, dev: str):
-    return dataclasses.replace(
-        weights,
-        **{
-            f.name: getattr(weights, f.name).to(dev)
-            for f in dataclasses.fields(weights)
-            if getattr(weights, f.name) is not None
-        },
-    )
-
-
-@contextlib.contextmanager
-def _torch_f32_exact(torch):
-    """F32 matmuls without TF32, for the token check."""
-    old = torch.get_float32_matmul_precision()
-    old_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(old)
-        torch.backends.cuda.matmul.allow_tf32 = old_tf32
-
-
-def _free_torch(torch) -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _time_torch(torch, run, dev: str, iters: int, warmup: int) -> dict:
-    def sync():
-        if dev == "cuda":
-            torch.cuda.synchronize()
-
+    """:func:`benchmarks.harness.stats` of synchronous calls of ``run``."""
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     for _ in range(warmup):
         run()
     sync()
@@ -1435,7 +980,7 @@ def _time_torch(torch, run, dev: str, iters: int, warmup: int) -> dict:
         run()
         sync()
         ts.append((time.perf_counter() - t0) * 1e6)
-    return _stats(ts)
+    return harness.stats(ts)
 
 
 def _time_cuda_graph(torch, run, iters: int, warmup: int) -> dict:
@@ -1482,18 +1027,6 @@ def _set_torch_fields(r: dict, trec: dict) -> None:
         r["torch_cuda_graph_over_auto"] = r["torch_cuda_graph_us"] / r["time_us"]
 
 
-def register_kernels() -> str:
-    """Makes sure the Pallas kernels are registered behind ``linear`` and the LM head's verify
-    tier (importing ``mtpjax`` does it; calling again is a no-op). Returns what was done."""
-    try:
-        from mtpjax.kernels import register_pallas_kernels
-
-        register_pallas_kernels()
-        return "mtpjax.kernels.register_pallas_kernels()"
-    except Exception as e:
-        return f"kernel registration failed: {type(e).__name__}: {e}"
-
-
 # ---------------------------------------------------------------------------------------------
 # Report: table and plot.
 # ---------------------------------------------------------------------------------------------
@@ -1503,24 +1036,26 @@ def _fmt(x, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+#: The table's columns: (title, record field, format, width).
+COLUMNS = (
+    ("propose", "time_us", ".0f", 9), ("/draft", "per_draft_us", ".0f", 8),
+    ("roof", "roofline_us", ".0f", 8), ("ratio", "roofline_ratio", ".2f", 6),
+    ("piped", "pipelined_roofline_ratio", ".2f", 6), ("xla", "xla_time_us", ".0f", 9),
+    ("torch", "torch_eager_us", ".0f", 9), ("graph", "torch_cuda_graph_us", ".0f", 9),
+    ("verify", "verify_us", ".0f", 8), ("v.ratio", "verify_roofline_ratio", ".2f", 7),
+)  # fmt: skip
+
+
 def table(records: list[dict]) -> str:
     rows = [r for r in records if r.get("kind") == "propose"]
-    head = (
-        f"{'head':6} {'precision':15} {'K':>2} {'B':>3} {'propose':>9} {'/draft':>8} "
-        f"{'roof':>8} {'ratio':>6} {'piped':>6} {'xla':>9} {'torch':>9} {'graph':>9} {'verify':>8} "
-        f"{'v.ratio':>7}"
-    )
+    head = f"{'head':6} {'precision':15} {'K':>2} {'B':>3} "
+    head += " ".join(f"{t:>{w}}" for t, _, _, w in COLUMNS)
     lines = [head, "-" * len(head)]
     for r in rows:
+        cells = " ".join(f"{_fmt(r.get(f), spec):>{w}}" for _, f, spec, w in COLUMNS)
+        error = f"  ERROR {r['error'][:60]}" if r.get("error") else ""
         lines.append(
-            f"{r['head']:6} {r['precision']:15} {r['k']:>2} {r['batch']:>3} "
-            f"{_fmt(r.get('time_us')):>9} {_fmt(r.get('per_draft_us')):>8} "
-            f"{_fmt(r.get('roofline_us')):>8} {_fmt(r.get('roofline_ratio'), '.2f'):>6} "
-            f"{_fmt(r.get('pipelined_roofline_ratio'), '.2f'):>6} "
-            f"{_fmt(r.get('xla_time_us')):>9} {_fmt(r.get('torch_eager_us')):>9} "
-            f"{_fmt(r.get('torch_cuda_graph_us')):>9} {_fmt(r.get('verify_us')):>8} "
-            f"{_fmt(r.get('verify_roofline_ratio'), '.2f'):>7}"
-            + (f"  ERROR {r['error'][:60]}" if r.get("error") else "")
+            f"{r['head']:6} {r['precision']:15} {r['k']:>2} {r['batch']:>3} {cells}{error}"
         )
     lines.append(
         "times in µs (median); roof = bytes / copy bandwidth; ratio = propose / roof; piped = "
@@ -1536,14 +1071,6 @@ def table(records: list[dict]) -> str:
                 f"{r['time_us']:.0f} µs vs {_fmt(r.get('pool_1x_time_us'))} µs "
                 f"(ratio {_fmt(r.get('ratio_10x_over_1x'), '.2f')}), KV {r['kv_dtype']}, "
                 f"in place per the compiler: {r.get('in_place')}"
-            )
-        elif kind == "torch_check":
-            extra.append(
-                f"torch check {r['head']}/{r['precision']} K={r['k']} B={r['batch']}: "
-                f"ok={r.get('ok')} all_match={r.get('all_match')} "
-                f"chain_match={_fmt(r.get('chain_match'), '.3f')} "
-                f"hidden_rel_err={_fmt(r.get('hidden_rel_err'), '.1e')}"
-                + (f" ERROR {r['error'][:80]}" if r.get("error") else "")
             )
         elif kind == "sharded_lm_head" and "two_gpu_us" in r:
             extra.append(
@@ -1565,6 +1092,8 @@ def table(records: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
+    """Propose latency per draft against B at ``k`` drafts, one panel per head: each precision
+    synchronous, queued back to back, through XLA and its roofline; PyTorch when timed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1576,87 +1105,47 @@ def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
         return
     fig, axes = plt.subplots(1, len(heads), figsize=(6.0 * len(heads) + 2.6, 4.8), squeeze=False)
     colors = dict(zip(PRECISIONS, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+    series = (  # (field, style, label suffix, alpha)
+        ("per_draft_us", "o-", "", 1.0),
+        ("roofline_per_draft_us", "_--", " roofline", 1.0),
+        ("pipelined_per_draft_us", "^-.", " back to back", 0.6),
+        ("xla_per_draft_us", "s:", " xla", 0.7),
+        ("torch_eager_per_draft_us", "x", " PyTorch bf16 eager", 1.0),
+        ("torch_cuda_graph_per_draft_us", "+", " PyTorch bf16 CUDA graph", 1.0),
+    )
     for ax, h in zip(axes[0], heads, strict=True):
         for prec, color in colors.items():
             pts = sorted(
-                (r for r in rows if r["head"] == h and r["precision"] == prec),
+                (r for r in rows if (r["head"], r["precision"]) == (h, prec)),
                 key=lambda r: r["batch"],
             )
-            if not pts:
-                continue
-            bs = [r["batch"] for r in pts]
-            ax.plot(bs, [r["per_draft_us"] for r in pts], "o-", color=color, label=prec)
-            ax.plot(
-                bs,
-                [r["roofline_us"] / k for r in pts],
-                "_--",
-                color=color,
-                label=f"{prec} roofline",
-            )
-            piped = [
-                (r["batch"], r["pipelined_per_draft_us"])
-                for r in pts
-                if "pipelined_per_draft_us" in r
-            ]
-            if piped:
-                ax.plot(
-                    *zip(*piped, strict=True),
-                    "^-.",
-                    color=color,
-                    ms=4,
-                    alpha=0.6,
-                    label=f"{prec} back to back",
-                )
-            xs = [(r["batch"], r["xla_per_draft_us"]) for r in pts if "xla_per_draft_us" in r]
-            if xs:
-                ax.plot(
-                    *zip(*xs, strict=True),
-                    "s:",
-                    color=color,
-                    mfc="none",
-                    alpha=0.7,
-                    label=f"{prec} xla",
-                )
-        tr = sorted(
-            {
-                r["batch"]: r for r in rows if r["head"] == h and "torch_eager_per_draft_us" in r
-            }.values(),
-            key=lambda r: r["batch"],
-        )
-        if tr:
-            ax.plot(
-                [r["batch"] for r in tr],
-                [r["torch_eager_per_draft_us"] for r in tr],
-                "kx",
-                ms=8,
-                label="PyTorch bf16 eager",
-            )
-            g = [
-                (r["batch"], r["torch_cuda_graph_per_draft_us"])
-                for r in tr
-                if "torch_cuda_graph_per_draft_us" in r
-            ]
-            if g:
-                ax.plot(*zip(*g, strict=True), "k+", ms=10, label="PyTorch bf16 CUDA graph")
+            for field, style, suffix, alpha in series:
+                roof = field == "roofline_per_draft_us"
+                xy = [
+                    (r["batch"], r["roofline_us"] / k if roof else r[field])
+                    for r in pts
+                    if roof or field in r
+                ]
+                if xy:
+                    torch_ = field.startswith("torch")
+                    label = suffix.strip() if torch_ else f"{prec}{suffix}"
+                    c = "k" if torch_ else color
+                    ax.plot(*zip(*xy, strict=True), style, color=c, alpha=alpha, label=label)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch B (sequences)")
-        ax.set_ylabel("propose latency per draft (µs)")
-        ax.set_title(f"{h} head, K={k}, context {context}")
+        ax.set(yscale="log", xlabel="batch B (sequences)")
+        ax.set(ylabel="propose latency per draft (µs)", title=f"{h} head, K={k}, context {context}")
         ax.grid(True, which="both", alpha=0.3)
     # One legend for all panels, outside them: the series are the same in each.
-    handles, labels = {}, []
+    handles = {}
     for ax in axes[0]:
         for hnd, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            if lab not in handles:
-                handles[lab] = hnd
-                labels.append(lab)
+            handles.setdefault(lab, hnd)
     axes[0][-1].legend(
-        [handles[lab] for lab in labels],
-        labels,
+        list(handles.values()),
+        list(handles),
         fontsize=7,
         loc="upper left",
-        bbox_to_anchor=(1.02, 1.0),
+        bbox_to_anchor=(1.02, 1),
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1691,54 +1180,33 @@ def _names(allowed):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--json", type=Path, default=REPO / "benchmarks/results/propose_h200.json")
-    p.add_argument("--plot", type=Path, default=None, help="default: the JSON path as .png")
-    p.add_argument("--heads", type=_names(HEADS), default=list(HEADS))
-    p.add_argument(
-        "--precisions",
-        type=_names(tuple(PRECISIONS)),
-        default=list(DEFAULT_PRECISIONS),
-        help="in run order (default nvfp4,bf16-nvfp4head,fp8)",
-    )
-    p.add_argument("--ks", type=_ints, default=None, help="drafts K (default 1,3,5)")
-    p.add_argument("--batches", type=_ints, default=None, help="batches B (default 1,8,64)")
-    p.add_argument("--grid", choices=("star", "full"), default="star")
-    p.add_argument("--context", type=int, default=None, help="KV rows per sequence (4096)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per point (20)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (3)")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="start no block after this many seconds (default 390; none for smoke)",
-    )
-    p.add_argument(
-        "--compile-workers",
-        type=int,
-        default=None,
-        help="executables compiled at once (default 6 on GPU, 1 on CPU)",
-    )
-    p.add_argument(
-        "--compile-cache",
-        type=Path,
-        default=None,
+    add = p.add_argument
+    add("--json", type=Path, default=harness.REPO / "benchmarks/results/propose_h200.json")
+    add("--plot", type=Path, default=None, help="default: the JSON path as .png")
+    add("--heads", type=_names(HEADS), default=list(HEADS))
+    add("--precisions", type=_names(tuple(PRECISIONS)), default=list(DEFAULT_PRECISIONS),
+        help="in run order (default nvfp4,bf16-nvfp4head,fp8)")  # fmt: skip
+    add("--ks", type=_ints, default=None, help="drafts K (default 1,3,5)")
+    add("--batches", type=_ints, default=None, help="batches B (default 1,8,64)")
+    add("--grid", choices=("star", "full"), default="star")
+    add("--context", type=int, default=None, help="KV rows per sequence (4096)")
+    add("--iters", type=int, default=None, help="timed calls per point (20)")
+    add("--warmup", type=int, default=None, help="untimed calls first (3)")
+    add("--budget-s", type=float, default=None,
+        help="start no block after this many seconds (default 390; none for smoke)")  # fmt: skip
+    add("--compile-workers", type=int, default=None,
+        help="executables compiled at once (default 8 on GPU, 1 on CPU)")  # fmt: skip
+    add("--compile-cache", type=Path, default=None,
         help="JAX persistent compilation cache directory: a second run on a warm machine "
-        "skips the compiles (off by default)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
-    p.add_argument("--skip-torch", action="store_true", help="no PyTorch baseline or check")
-    p.add_argument("--torch-compile", action="store_true", help="also time torch.compile")
-    p.add_argument("--skip-two-gpu", action="store_true", help="no two-device section")
-    p.add_argument(
-        "--merge",
-        type=Path,
-        nargs="+",
-        default=None,
-        metavar="JSON",
+        "skips the compiles (off by default)")  # fmt: skip
+    add("--seed", type=int, default=0)
+    add("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
+    add("--skip-torch", action="store_true", help="no PyTorch baseline")
+    add("--torch-compile", action="store_true", help="also time torch.compile")
+    add("--skip-two-gpu", action="store_true", help="no two-device section")
+    add("--merge", type=Path, nargs="+", default=None, metavar="JSON",
         help="run nothing: print the table of these result files together and write their "
-        "plot (--plot, default the first file's .png)",
-    )
+        "plot (--plot, default the first file's .png)")  # fmt: skip
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
@@ -1752,7 +1220,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.budget_s is None and not args.smoke:
         args.budget_s = 390.0
     if args.compile_workers is None:
-        args.compile_workers = min(8, os.cpu_count() or 1) if on_gpu() else 1
+        args.compile_workers = min(8, os.cpu_count() or 1) if harness.on_gpu() else 1
     if args.plot is None:
         args.plot = (args.merge[0] if args.merge else args.json).with_suffix(".png")
     return args
@@ -1763,9 +1231,9 @@ def merge(paths: list[Path], plot_path: Path, *, k: int, context: int) -> list[d
     records = []
     for path in paths:
         try:
-            records += json.loads(path.read_text())["records"]
+            records += harness.read_records(path)
         except (OSError, ValueError, KeyError) as e:
-            raise SystemExit(f"{path}: not a bench_propose result file ({e})") from None
+            raise SystemExit(f"{path}: not a benchmarks.propose result file ({e})") from None
     plot(records, plot_path, k=k, context=context)
     print(table(records))
     print(f"wrote {plot_path} from {len(paths)} files")
@@ -1783,7 +1251,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     bench = Bench(args)
     print(
-        f"bench_propose: {jax.default_backend()} x{jax.device_count()}, heads {args.heads}, "
+        f"benchmarks.propose: {jax.default_backend()} x{jax.device_count()}, heads {args.heads}, "
         f"precisions {args.precisions}, points {grid_points(args.ks, args.batches, args.grid)}, "
         f"context {args.context}",
         flush=True,

@@ -1,11 +1,11 @@
 """Where the time of one jitted propose (or verify) goes: a GPU kernel breakdown from a profile.
 
-    PYTHONPATH=. python3 scripts/profile_propose.py --json $OUT/profile.json \
+    python -m benchmarks.profile --json $OUT/profile.json \
         --points dense/bf16-nvfp4head/3/1,dense/nvfp4/3/64
 
-Each point is ``head/precision/K/B`` with the heads and precisions of ``bench_propose.py``,
+Each point is ``head/precision/K/B`` with the heads and precisions of ``benchmarks.propose``,
 whose builders (random weights at real shapes, a KV pool filled to ``--context`` rows) this
-script reuses. For each point it runs the jitted step under ``jax.profiler.trace`` with a
+module reuses. For each point it runs the jitted step under ``jax.profiler.trace`` with a
 Perfetto trace, then sums the device-side events by kernel name and divides by the number of
 profiled calls. The table shows, per kernel, its microseconds per call and its share of the
 GPU busy time; "gaps" is the wall time per call minus the busy time (launch latency, host work).
@@ -17,21 +17,15 @@ import argparse
 import collections
 import gzip
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "scripts"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+import jax
 
-import bench_propose as bp  # noqa: E402
-import jax  # noqa: E402
-
-from mtpjax import drafter  # noqa: E402
-from mtpjax.head import init_lm_head, verify_copy_used  # noqa: E402
+from benchmarks import propose as bp
+from mtpjax import drafter
+from mtpjax.head import init_lm_head
 
 
 def parse_point(text: str) -> tuple[str, str, int, int, str]:
@@ -80,18 +74,13 @@ def breakdown(events: list[dict], calls: int) -> tuple[list[dict], float]:
 
 
 def build(head: str, prec: str, k: int, b: int, context: int, smoke: bool = False):
-    """The jitted propose and verify and their arguments, as bench_propose builds them."""
+    """The jitted propose and verify and their arguments, as ``benchmarks.propose`` builds them."""
     cfg = bp.head_config(head, smoke=smoke)
     head_cfg = cfg.lm_head_config()
     dprec, hprec = bp.PRECISIONS[prec]
     key = jax.random.key(0)
     params = drafter.init(cfg, key=jax.random.fold_in(key, 1), precision=dprec)
-    lm = init_lm_head(
-        head_cfg,
-        key=jax.random.fold_in(key, 2),
-        precision=hprec,
-        verify_copy=verify_copy_used(hprec),
-    )
+    lm = init_lm_head(head_cfg, key=jax.random.fold_in(key, 2), precision=hprec)
     pool_cfg = drafter.pool_config(cfg, precision=dprec, max_seq_len=context + k + 1, max_seqs=b)
     state = bp.filled_state(key, pool_cfg=pool_cfg, num_seqs=b, context=context)
     pairs = bp.make_pairs(key, cfg, k=k, batch=b, context=context)
@@ -144,7 +133,6 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script on CPU")
     a = ap.parse_args(argv)
     points = [parse_point(p) for p in a.points.split(",") if p]
-    bp.register_kernels()
     results = []
     for p in points:
         try:

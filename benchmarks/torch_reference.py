@@ -1,8 +1,8 @@
-"""A PyTorch reference of the Qwen3-Next / Qwen3.5 MTP drafter's propose step (DESIGN §4, §6).
+"""A PyTorch reference of the Qwen3-Next / Qwen3.5 MTP drafter's propose step.
 
-It is the baseline that ``scripts/bench_propose.py`` times against the JAX ``propose``. It is
-also checked there to produce the same draft tokens on the same weights. The math is DESIGN §4,
-written once more, independently of ``mtpjax``:
+It is the baseline that ``benchmarks.propose`` times against the JAX ``propose``, and
+``tests/test_gpu_propose.py`` checks that it drafts the same tokens on the same weights. The math
+of one draft step, written once more, independently of ``mtpjax``:
 
     e = embed[t];  x = fc(concat[norm_e(e), norm_h(h)]);  a = input_layernorm(x)
     q, gate = q_proj(a) (interleaved per head);  q/k head norms, NeoX RoPE on the first R dims
@@ -33,7 +33,14 @@ import dataclasses
 
 import torch
 
-__all__ = ["Dims", "TorchDrafter", "Weights", "kv_cache_from_rows", "weights_from_jax"]
+__all__ = [
+    "Dims",
+    "TorchDrafter",
+    "Weights",
+    "kv_cache_from_rows",
+    "to_torch",
+    "weights_from_jax",
+]
 
 E4M3_MAX = 448.0
 
@@ -111,8 +118,15 @@ class Weights:
     def device(self) -> torch.device:
         return self.fc.device
 
+    def to(self, device) -> Weights:
+        """The same weights on ``device``."""
+        fields = (f.name for f in dataclasses.fields(self))
+        return dataclasses.replace(
+            self, **{n: getattr(self, n).to(device) for n in fields if getattr(self, n) is not None}
+        )
 
-def _to_torch(x, dtype: torch.dtype) -> torch.Tensor:
+
+def to_torch(x, dtype: torch.dtype) -> torch.Tensor:
     """A JAX array as a torch tensor on the same device: DLPack (zero-copy), numpy as fallback."""
     try:
         return torch.from_dlpack(x).to(dtype)
@@ -187,9 +201,9 @@ def weights_from_jax(params, head, cfg, *, dtype: torch.dtype) -> Weights:
 
     mats, norms, embedding = jax.block_until_ready(convert(mats, norms, head.embedding))
     return Weights(
-        embed=_to_torch(embedding, dtype),
-        **{n: _to_torch(x, dtype) for n, x in mats.items()},
-        **{n: _to_torch(x, torch.float32) for n, x in norms.items()},
+        embed=to_torch(embedding, dtype),
+        **{n: to_torch(x, dtype) for n, x in mats.items()},
+        **{n: to_torch(x, torch.float32) for n, x in norms.items()},
     )
 
 
