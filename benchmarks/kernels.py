@@ -23,22 +23,21 @@ import tempfile
 from benchmarks import harness
 
 #: linear: (format, rows, implementation, config class, variants as field dicts), on the LM head.
-#: The config's class picks the backend (Mosaic GPU or Triton) under ``implementation="pallas"``.
 LINEAR_SWEEP = (
-    ("nvfp4", 1, "pallas", "MosaicGemvConfig", ({"block_n": 128}, {"block_k": 1024})),
-    ("nvfp4", 8, "pallas", "MosaicGemvConfig", ({"block_n": 128}, {"stages": 3})),
-    ("nvfp4", 96, "pallas", "MosaicGemvConfig", ({"block_n": 64}, {"block_k": 512})),
-    ("fp8", 1, "pallas", "MosaicGemvConfig", ({"block_k": 512}, {"block_n": 128})),
-    ("fp8", 96, "pallas", "MosaicGemvConfig", ({"block_k": 256}, {"block_n": 64})),
-    ("fp8_block", 1, "pallas", "MosaicGemvConfig", ({"block_k": 512},)),
-    ("bf16", 1, "pallas", "GemvConfig", ({"block_n": 128, "num_warps": 8},)),
-    ("nvfp4", 1, "pallas", "GemvConfig", ({"block_n": 16, "block_k": 1024},)),
+    ("nvfp4", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 128}, {"block_k": 1024})),
+    ("nvfp4", 8, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 128}, {"stages": 3})),
+    ("nvfp4", 96, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 64}, {"block_k": 512})),
+    ("fp8", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 512}, {"block_n": 128})),
+    ("fp8", 96, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 256}, {"block_n": 64})),
+    ("fp8_block", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 512},)),
+    ("bf16", 1, "triton", "GemvConfig", ({"block_n": 128, "num_warps": 8},)),
+    ("nvfp4", 1, "triton", "GemvConfig", ({"block_n": 16, "block_k": 1024},)),
 )
 LM_HEAD = ("lm_head", 248320, 5120)
 #: paged attention: (KV dtype, batch, context, implementation, config class, variants).
 ATTENTION_SWEEP = (
-    ("bf16", 8, 4096, "pallas", "PagedAttentionConfig", ({"pages_per_step": 8},)),
-    ("fp8_block", 32, 2048, "pallas", "PagedAttentionConfig", ({"pages_per_step": 2},)),
+    ("bf16", 8, 4096, "triton", "PagedAttentionConfig", ({"pages_per_step": 8},)),
+    ("fp8_block", 32, 2048, "triton", "PagedAttentionConfig", ({"pages_per_step": 2},)),
 )
 ATTN_HEADS = (16, 2, 256, 16)  # query heads, KV heads, head dim, block size (the MoE head's)
 SMOKE_SHAPE = ("small", 256, 512)
