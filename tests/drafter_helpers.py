@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtpjax import drafter, kv
+from mtpjax.config import DrafterConfig, FfnKind
 from mtpjax.drafter._forward import pair_rows
 from mtpjax.drafter._propose import _decode_row
-from mtpjax.config import DrafterConfig, FfnKind
 from mtpjax.head import LMHeadParams, from_arrays
 from mtpjax.layers import DenseFfnParams
 from mtpjax.weights import dequantize

@@ -191,7 +191,7 @@ def test_a_count_past_the_window_width_is_refused(setup):
     np.testing.assert_array_equal(
         state.window_error, [int(drafter.WindowError.COUNT_PAST_WIDTH), 0]
     )
-    with pytest.raises(kv.KVCacheError, match="sequence 0: Pairs.count exceeds the window width"):
+    with pytest.raises(kv.KVCacheError, match=r"sequence 0: Pairs\.count exceeds the window width"):
         drafter.raise_on_state_error(state)
     # Sticky: a good window for the flagged sequence is skipped until it is freed.
     state = drafter.prefill(params, head, state, pairs(tokens, hidden, [2, 5], [0, 4]), cfg=cfg)
