@@ -461,3 +461,52 @@ def test_num_drafts_must_be_an_int(setup):
             drafter.propose(
                 params, head, state, _anchor_window(tokens, hidden), cfg=cfg, num_drafts=bad
             )
+
+
+# --------------------------------------------------------------------------------------------
+# Windows the drafter must not take at face value.
+
+
+def test_rewinding_with_another_token_rewrites_the_anchor_row(setup):
+    """Back at the prompt end with a different first token: the held anchor row (and what was
+    built on it) goes, and the drafts equal a clean run's from that token."""
+    cfg, params, head, tokens, hidden = setup
+    window = _anchor_window(tokens, hidden)
+    other = np.asarray(window.tokens).copy()
+    other[:, 0] = (other[:, 0] + 1) % V
+    rewound = pairs(other, window.hidden, window.count, window.start)
+    state = _prefilled(cfg, params, head, tokens, hidden)
+    _, state = _propose(params, head, state, window, cfg)
+    _, state = drafter.after_verify(state, np.asarray([2, 0], np.int32))
+    got, got_state = _propose(params, head, state, rewound, cfg)
+    want, want_state = _propose(
+        params, head, _prefilled(cfg, params, head, tokens, hidden), rewound, cfg
+    )
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got_state.seq_len, want_state.seq_len)
+    for b in range(B):
+        for g, w in zip(held_rows(got_state, b), held_rows(want_state, b)):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_gap_and_a_late_start_after_free_are_refused(setup):
+    cfg, params, head, tokens, hidden = setup
+    state = _prefilled(cfg, params, head, tokens, hidden)  # keys 0..3 and 0..1
+    before = clone(state)
+    window = _anchor_window(tokens, hidden)
+    gap = pairs(window.tokens, window.hidden, window.count, np.asarray(LENS) - 1 + [1, 0])
+    out, state = _propose(params, head, state, gap, cfg)
+    np.testing.assert_array_equal(out.num_valid, [0, K])  # sequence 0 starts past key 4
+    np.testing.assert_array_equal(state.window_error, [int(drafter.WindowError.GAP), 0])
+    assert int(state.seq_len[0, 0]) == int(before.seq_len[0, 0])
+    with pytest.raises(kv.KVCacheError, match=r"sequence 0: Pairs\.start is past"):
+        drafter.raise_on_state_error(state)
+    # free clears the flag; the slot's next window must then start at key 0.
+    state = drafter.free(state, np.asarray([True, False]))
+    _, after = _propose(params, head, clone(state), window, cfg)  # sequence 0 at key 4
+    np.testing.assert_array_equal(after.window_error, [int(drafter.WindowError.NOT_FROM_START), 0])
+    np.testing.assert_array_equal(after.seq_len[0], [0, LENS[1] + K - 1])
+    fresh = pairs(window.tokens, window.hidden, window.count, [0, LENS[1] - 1])
+    out, state = _propose(params, head, state, fresh, cfg)
+    np.testing.assert_array_equal(out.num_valid, [K, K])
+    drafter.raise_on_state_error(state)
