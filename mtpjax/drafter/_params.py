@@ -152,21 +152,13 @@ class ModuleSchedule(enum.Enum):
     CYCLE = "cycle"  # module s mod N (vLLM's rule); num_drafts must be a multiple of N
 
 
-def check_num_drafts(num_drafts) -> int:
-    """``num_drafts`` as a static int >= 1 (a bool is refused: it is not a count)."""
-    if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or num_drafts < 1:
-        raise ValueError(f"num_drafts must be an int >= 1, got {num_drafts!r}")
-    return num_drafts
-
-
 def effective_num_drafts(num_modules: int, num_drafts: int, schedule: ModuleSchedule) -> int:
     """K, the drafts a round produces: ``min(num_drafts, N)`` for CLAMP, ``num_drafts`` (a
     multiple of N, else ValueError) for CYCLE. All static Python ints."""
-    check_num_drafts(num_drafts)
-    if not isinstance(num_modules, int) or num_modules < 1:
-        raise ValueError(f"a drafter needs at least one module, got {num_modules!r}")
-    if not isinstance(schedule, ModuleSchedule):
-        raise TypeError(f"schedule must be a ModuleSchedule, got {schedule!r}")
+    if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or num_drafts < 1:
+        raise ValueError(
+            f"num_drafts must be an int >= 1, got {num_drafts!r}"
+        )  # a bool is no count
     if schedule is ModuleSchedule.CLAMP:
         return min(num_drafts, num_modules)
     if num_drafts % num_modules:
@@ -198,8 +190,7 @@ class DrafterModules:
     schedule: ModuleSchedule = ModuleSchedule.CLAMP
 
     def __post_init__(self) -> None:
-        # Only an empty sequence is refused here: pytree prefixes (sharding specs, vmap axes)
-        # build this class with other leaves; the steps check the types at their boundary.
+        # Pytree prefixes (sharding specs, vmap axes) hold other leaves: types are checked later.
         if isinstance(self.modules, list):
             object.__setattr__(self, "modules", tuple(self.modules))
         if isinstance(self.modules, tuple) and not self.modules:

@@ -19,25 +19,20 @@ position ``p`` is step ``j`` at ``p = e``: its key is DeepSeek's position plus t
 a shift common to all of a module's rows, which RoPE attention does not see.)
 
 Rows. Module 0 holds the committed pairs ``(t_{i+1}, h_i)`` with the target's hidden at a run of
-consecutive keys, written from the ``Pairs`` windows (held pairs skipped, the anchor last). A
-module ``m >= 1`` holds only the rows its own steps wrote and kept (like the reference engines,
-it never sees the committed pairs it did not draft from). ``after_verify`` keeps exactly the rows
-whose token was committed (see ``mtpjax.drafter.after_verify``).
+consecutive keys, written from the windows. A module ``m >= 1`` holds only the rows its own steps
+wrote and kept (like the reference engines, it never sees the committed pairs it did not draft
+from): its row at key ``i`` is ``(t_{i+1}, g)``, ``g`` the hidden the chain handed over
+(``ProposeOutput.hidden``). With CLAMP, ``g`` is the contract's output of module ``m - 1``'s
+forward at key ``i - 1`` over its rows at keys ``<= i - 1``, so every module's rows are a
+from-scratch function of the committed tokens, the target's hidden and the key sets. With CYCLE
+and N >= 2, module 0's chain rows give way to target-hidden rows after the verify, so the rows
+built on them keep the hidden the chain computed then. ``after_verify`` keeps exactly the rows
+whose token was committed.
 
-Invariant (after every step). With ``t`` the committed tokens (extended by the round's drafts
-after a propose), ``h_i`` the target's hidden and ``row_keys[m]`` the keys module ``m`` holds:
-module 0's row at key ``i`` is ``(t_{i+1}, h_i)`` (with N = 1 and no ``refeed``, accepted chain
-rows keep the hidden the chain fed them); a module ``m >= 1``'s row at key ``i`` is
-``(t_{i+1}, g)``, ``g`` the hidden the chain handed over (``ProposeOutput.hidden``). With CLAMP,
-``g`` is the contract's output of module ``m - 1``'s forward at key ``i - 1`` over its rows at keys
-``<= i - 1``, so every module's rows are a from-scratch function of the committed tokens, the
-target's hidden and the key sets. With CYCLE and N >= 2, module 0's chain rows give way to
-target-hidden rows after the verify, so only the first form holds.
-
-Windows (``Pairs``). Both protocols fit: after a prefill of the prompt ``t_0..t_{P-1}`` the first
-window is the anchor alone (``tokens=[t_P]``, ``hidden=[h_{P-1}]``, ``start=P-1``); after a
-verify that accepted ``a`` drafts and emitted ``b``, ``tokens=[d_1..d_a, b]`` with the verify's
-hidden, ``start=n``, ``count=a+1``. A window is taken as the truth about its keys:
+Windows (``Pairs``): after a prefill of the prompt ``t_0..t_{P-1}``, the anchor alone
+(``tokens=[t_P]``, ``hidden=[h_{P-1}]``, ``start=P-1``); after a verify that accepted ``a``
+drafts and emitted ``b``, ``tokens=[d_1..d_a, b]`` with the verify's hidden, ``start=n``,
+``count=a+1``. A window is the truth about its keys:
 
 - the round of a propose never verified counts as a full reject (its rows are dropped first);
 - held rows from the first window pair whose token differs from the held row's are dropped in
@@ -47,8 +42,8 @@ hidden, ``start=n``, ``count=a+1``. A window is taken as the truth about its key
 - ``propose`` also drops every module's rows past the window's anchor (a rewind); ``prefill``
   keeps them when the window agrees with them.
 
-A window is refused (nothing written, no drafts, a sticky ``WindowError`` bit in the state that
-``raise_on_state_error`` reports) when its ``count`` exceeds its width, when it starts past the
+A window is refused (nothing written, no drafts; a pending round is still closed; a sticky
+``WindowError`` bit in the state that ``raise_on_state_error`` reports) when its ``count`` exceeds its width, when it starts past the
 newest held key + 1 (a gap: the keys in between would be missing), or when it is the first window
 of a slot after ``free`` and does not start at key 0. A fresh slot's first window may start at any
 key (a drafter joining late attends to the rows it has).
@@ -166,10 +161,9 @@ def paged_attention(
     """One query row per sequence over its paged context: q [B, Nq, D] -> f32[B, Nq, D].
 
     Sequence b attends to its rows ``0 .. seq_len[b]-1`` (dequantised), GQA as in ``attend``.
-    XLA gathers the context through the block table and runs ``attend``; PALLAS runs the
-    ``pallas_kernels`` paged-attention kernel (interpret mode off-GPU; BF16 or FP8 pools with
-    power-of-two head_dim and block_size, else NotImplementedError); AUTO takes the kernel on a
-    GPU when it supports the cache, else XLA. The drafter's only attention call.
+    XLA: gather + ``attend``; PALLAS: the paged-attention kernel (interpret mode off-GPU;
+    NotImplementedError when it cannot read the cache); AUTO: the kernel on a GPU when it can.
+    The drafter's only attention call.
     """
     impl = Implementation.parse(implementation)
     chex.assert_rank(q, 3)

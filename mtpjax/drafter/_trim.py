@@ -1,40 +1,25 @@
 """After a verify round: drop the drafter rows whose token was not committed; free sequences.
 
-Invariant. Let a sequence's committed tokens be ``t_0 .. t_n`` and ``h_i`` the target's hidden at
-position i (known for i < n). Its *rebuild* is the rows of the pairs ``(t_{i+1}, h_i)`` at keys
-``i = 0 .. n-1``, as the prefill or ``kv_rows`` writes them from scratch. Between rounds (after
-``after_verify``, before the next ``propose``) every held row has key <= ``last_pair_key`` and
-holds its key's committed token; its hidden is the target's, except — only without ``refeed`` —
-accepted chain rows, which keep the drafter-side hidden that the chain fed them. The next
-``propose`` writes the keys past ``last_pair_key`` from the verify window with the target's
-hidden, so with ``refeed=True`` the rows equal the rebuild exactly, round after round.
+A round with anchor key ``e`` leaves the row of step ``s`` (module ``m(s)``, key ``e + s``,
+``s < K``) holding token ``d_s`` (``t_{e+1}`` for the anchor, s = 0). A verify that accepts ``a``
+drafts commits ``d_1 .. d_a`` and one target token, so that row's token is committed iff
+``s <= a``, and ``module_trims`` keeps exactly those rows, with two refinements that keep module
+0 dense:
 
-Why the trim is what it is. ``propose`` leaves ``K`` rows at keys ``e .. e+K-1``: ``R_0``, the
-anchor ``(t_n, h_{n-1})`` with the target's hidden, and ``R_j = (d_j, hid_j)`` for
-``j = 1 .. K-1`` with the drafter-side hidden. A verify that accepts ``a`` drafts commits
-``d_1 .. d_a`` and one target token, so ``R_j``'s token is committed iff ``j <= a``: the rows
-with committed tokens are the first ``A = min(a + 1, K)``. For the single head (N = 1)
-``after_verify`` therefore calls the seed engine's rule with ``num_accepted = A``:
+- N = 1 (the single head): rows ``0 .. A-1``, ``A = min(a + 1, K)``, are committed, and the seed
+  engine's rule is called with ``num_accepted = A``: ``rows_to_trim(K, A, False) = K - A`` (the
+  rejected rows) or, with ``refeed``, ``K - 1`` (every drafter-hidden row goes; the anchor
+  stays). (The seed engine passed ``a``: that also drops ``R_a``, whose token is committed, and
+  on a full reject the anchor, which no later window rebuilds.)
+- N >= 2 (CYCLE): module 0 keeps only its anchor (its chain rows at keys ``e + N, e + 2N, ...``
+  would leave holes at the keys the other modules wrote).
 
-- ``rows_to_trim(K, A, refeed=False) = K - A``: exactly the rows whose token was rejected.
-- ``rows_to_trim(K, A, refeed=True) = K - 1`` (A >= 1): every drafter-hidden row goes too; the
-  anchor stays.
-
-The rows left end at key ``e + A - 1`` (or ``e``), and the verify window the next propose gets —
-the accepted drafts and the emitted token, with the verify's hidden at keys ``e+1 .. e+a+1`` —
-covers every key past that. (The seed engine passed ``num_accepted = a``, identifying ``R_j``
-with the draft it produced; that also drops ``R_a``, whose token is committed, and on a full
-reject the anchor, which the next propose could only rebuild if re-fed the previous anchor's
-hidden. The rule itself is unchanged and tested on its own.) A propose that is never verified
-counts as fully rejected: the next propose or prefill drops its chain rows itself.
-
-With N modules, the row of step ``s`` (module ``m(s)``, key ``e + s``) holds token ``d_s``
-(``t_{e+1}`` for s = 0), a committed token iff ``s <= a``, and ``module_trims`` keeps exactly
-those rows, with two refinements that keep module 0 dense: with N = 1 its accepted chain rows stay
-or go with ``refeed`` (the rule above); with N >= 2 (CYCLE) module 0 keeps only its anchor (its
-chain rows at keys ``e + N, e + 2N, ...`` would leave holes at the keys the other modules wrote),
-and the next window rewrites the keys past it with the target's hidden. ``refeed`` has no effect on
-modules ``>= 1``: their rows are drafter-side by definition.
+The next window (the accepted drafts and the emitted token with the verify's hidden, from key
+``e + 1``) then covers every key past module 0's rows, so with ``refeed`` (or N >= 2) module 0's
+rows equal a from-scratch rebuild of the pairs ``(t_{i+1}, h_i)``, round after round; without it,
+accepted chain rows keep the drafter-side hidden the chain fed them. ``refeed`` has no effect on
+modules ``>= 1``: their rows are drafter-side by definition. A propose never verified counts as a
+full reject: the next propose or prefill drops its rows itself.
 
 Shapes: ``[B]`` sequences, ``[N]`` modules.
 """

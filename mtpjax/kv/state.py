@@ -57,11 +57,6 @@ class DrafterState:
     window_error: jax.Array
     freed: jax.Array
 
-    def __post_init__(self) -> None:
-        for name in ("kv", "row_keys"):
-            if isinstance(getattr(self, name), list):
-                object.__setattr__(self, name, tuple(getattr(self, name)))
-
     @property
     def num_modules(self) -> int:
         return len(self.kv)
@@ -93,13 +88,12 @@ def init_state(
     cfg: PoolConfig | tuple[PoolConfig, ...], *, num_seqs: int, num_modules: int = 1
 ) -> DrafterState:
     """Empty state for ``num_seqs`` slots: ``num_modules`` pools of ``cfg``, or one pool per entry
-    of a tuple of ``PoolConfig``. A fresh slot's first window may start at any key (a drafter
+    of a tuple of ``PoolConfig`` (then ``num_modules`` is not read). A fresh slot's first window may start at any key (a drafter
     joining a sequence late attends to the rows it has)."""
     cfgs = (cfg,) * num_modules if isinstance(cfg, PoolConfig) else tuple(cfg)
-    if not cfgs or (not isinstance(cfg, PoolConfig) and num_modules not in (1, len(cfgs))):
+    if not cfgs:
         raise ValueError(
-            f"a drafter state needs at least one module: got num_modules={num_modules} and "
-            f"{len(cfgs)} pool configs"
+            f"a drafter state needs at least one module, got num_modules={num_modules}"
         )
     return DrafterState(
         kv=tuple(init_cache(c, num_seqs=num_seqs) for c in cfgs),
@@ -161,11 +155,8 @@ def free_sequences(state: DrafterState, mask: jax.Array) -> DrafterState:
 def raise_on_state_error(state: DrafterState) -> None:
     """Host-side check: raises ``KVCacheError`` naming each sequence whose cache write or window
     was refused, and why."""
-    for m, cache in enumerate(state.kv):
-        try:
-            raise_on_error(cache)
-        except KVCacheError as e:
-            raise KVCacheError(f"drafter module {m}: {e}") from None
+    for cache in state.kv:
+        raise_on_error(cache)
     error = np.asarray(state.window_error)
     why = {
         WindowError.COUNT_PAST_WIDTH: "Pairs.count exceeds the window width",
