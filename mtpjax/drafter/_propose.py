@@ -78,6 +78,7 @@ from mtpjax.kv.state import DrafterState, drop_newest, newest_key, put_rows, row
 from mtpjax.layers.attention import attend, output_projection, project_q
 from mtpjax.layers.decoder import ffn_residual
 from pallas_kernels.implementation import Implementation
+from pallas_kernels.paged_attention import paged_attention as paged_attention_kernel
 
 DEFAULT_CHUNK = 256
 
@@ -174,9 +175,7 @@ def paged_attention(
         impl is Implementation.AUTO and _on_gpu() and unsupported is None
     )
     if use_kernel:
-        from pallas_kernels.paged_attention import paged_attention as kernel
-
-        return kernel(
+        return paged_attention_kernel(
             q,
             cache.pool.k,
             cache.pool.v,
