@@ -556,7 +556,7 @@ def _generate(
         metrics=loop.metrics,
         target_steps=loop.steps,
         active_steps=loop.active_steps,
-        kv_error=loop.state.kv.error,
+        kv_error=loop.state.error,
     )
 
 

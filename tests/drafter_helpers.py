@@ -10,6 +10,8 @@ import numpy as np
 
 from mtpjax import drafter, kv
 from mtpjax.config import DrafterConfig, FfnKind
+from mtpjax.drafter._forward import pair_rows
+from mtpjax.drafter._propose import _decode_row
 from mtpjax.head import LMHeadParams, from_arrays
 from mtpjax.layers import DenseFfnParams
 from mtpjax.weights import dequantize
@@ -67,11 +69,34 @@ def _all_rows(cache: kv.PagedKVCache):
     return kv.gather(cache, cache.max_rows_per_seq)[:2]
 
 
-def held_rows(state: kv.DrafterState, b: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sequence b's rows 0..seq_len-1 as f32 numpy (k, v) [L, Nkv, D]."""
-    n = int(np.asarray(state.seq_len)[b])
-    k, v = np_tree(_all_rows(state.kv))
+def held_rows(
+    state: kv.DrafterState | kv.PagedKVCache, b: int, module: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence b's rows 0..seq_len-1 of a cache (or a state's module) as f32 numpy (k, v)."""
+    cache = state.kv[module] if isinstance(state, kv.DrafterState) else state
+    n = int(np.asarray(cache.seq_len)[b])
+    k, v = np_tree(_all_rows(cache))
     return k[b, :n], v[b, :n]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def draft_step(params, head, cache, tokens, hidden, positions, *, cfg, active=None):
+    """The single-row reference for propose: one paged row per sequence (write the pair's K/V
+    where ``active``, attend over the paged context). Returns (DrafterOutput [B, ...], cache)."""
+    head_cfg = cfg.lm_head_config()
+    B = tokens.shape[0]
+    active = jnp.ones((B,), bool) if active is None else jnp.asarray(active, bool)
+    positions = jnp.asarray(positions, jnp.int32)
+    x, a, k, v = pair_rows(
+        params, head, jnp.asarray(tokens, jnp.int32)[:, None], jnp.asarray(hidden)[:, None],
+        positions[:, None], cfg=cfg, head_cfg=head_cfg,
+    )  # fmt: skip
+    cache, _ = kv.append(cache, k, v, active.astype(jnp.int32))
+    out = _decode_row(
+        params, head, cache, x[:, 0], a[:, 0], positions, cfg=cfg, head_cfg=head_cfg,
+        implementation="auto",
+    )  # fmt: skip
+    return out, cache
 
 
 def random_pairs(rng: np.random.Generator, shape: tuple[int, ...], vocab: int = V):

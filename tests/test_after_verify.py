@@ -3,6 +3,8 @@ random propose / verify rounds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import hypothesis.strategies as st
 import jax
@@ -24,6 +26,7 @@ from drafter_helpers import (
 from hypothesis import given, settings
 
 from mtpjax import drafter, kv
+from mtpjax.drafter import _trim as T
 
 # --------------------------------------------------------------------------------------------
 # rows_to_trim.
@@ -101,12 +104,18 @@ _append = jax.jit(kv.append)
 
 
 def _drafted_state(cfg, drafted, lengths, last_keys):
+    """A one-module state holding rows at keys ``last_keys[b] - lengths[b] + 1 ..``."""
     state = new_state(cfg, len(lengths))
     rows = np.ones((len(lengths), 9, cfg.num_key_value_heads, cfg.head_dim), np.float32)
-    cache, _ = _append(state.kv, rows, rows, np.asarray(lengths, np.int32))
-    return kv.DrafterState(
-        kv=cache,
-        last_pair_key=jnp.asarray(last_keys, jnp.int32),
+    cache, _ = _append(state.kv[0], rows, rows, np.asarray(lengths, np.int32))
+    R = cache.max_rows_per_seq
+    idx = np.arange(R)[None, :]
+    n, last = np.asarray(lengths)[:, None], np.asarray(last_keys)[:, None]
+    keys = np.where(idx < n, last - n + 1 + idx, -1).astype(np.int32)
+    return dataclasses.replace(
+        state,
+        kv=(cache,),
+        row_keys=(jnp.asarray(keys),),
         last_num_drafted=jnp.asarray(drafted, jnp.int32),
     )
 
@@ -118,20 +127,20 @@ def test_after_verify_trims_the_rows_with_uncommitted_tokens():
     accepted = jnp.asarray([0, 1, 3, 2], jnp.int32)
     trimmed, new = drafter.after_verify(clone(state), accepted, refeed=False)
     # Rows e..e+2 hold the anchor, (d1, .), (d2, .): the committed ones are the first a+1.
-    np.testing.assert_array_equal(trimmed, [2, 1, 0, 0])
-    np.testing.assert_array_equal(new.seq_len, [7, 8, 9, 4])
-    np.testing.assert_array_equal(new.last_pair_key, [6, 7, 8, 3])
+    np.testing.assert_array_equal(trimmed[:, 0], [2, 1, 0, 0])
+    np.testing.assert_array_equal(new.seq_len[0], [7, 8, 9, 4])
+    np.testing.assert_array_equal(new.last_pair_key[0], [6, 7, 8, 3])
     np.testing.assert_array_equal(new.last_num_drafted, [0, 0, 0, 0])
     # Refeed (per sequence here) also drops the committed rows built from the drafter's hidden.
     trimmed, new = drafter.after_verify(
         clone(state), accepted, refeed=jnp.asarray([True, True, True, False])
     )
-    np.testing.assert_array_equal(trimmed, [2, 2, 2, 0])
-    np.testing.assert_array_equal(new.last_pair_key, [6, 6, 6, 3])
+    np.testing.assert_array_equal(trimmed[:, 0], [2, 2, 2, 0])
+    np.testing.assert_array_equal(new.last_pair_key[0], [6, 6, 6, 3])
     # A second call trims nothing; accepted counts are clipped to what was drafted.
     again, same = drafter.after_verify(new, jnp.asarray([9, 9, 9, 9]), refeed=True)
-    np.testing.assert_array_equal(again, [0, 0, 0, 0])
-    np.testing.assert_array_equal(same.seq_len, [7, 7, 7, 4])
+    np.testing.assert_array_equal(again[:, 0], [0, 0, 0, 0])
+    np.testing.assert_array_equal(same.seq_len[0], [7, 7, 7, 4])
     with pytest.raises(AssertionError):
         drafter.after_verify(same, jnp.asarray([1, 1]), refeed=False)
 
@@ -139,28 +148,44 @@ def test_after_verify_trims_the_rows_with_uncommitted_tokens():
 def test_free_returns_blocks_and_resets():
     cfg = tiny_cfg()
     state = _drafted_state(cfg, [3, 3], [9, 5], [8, 4])
-    free_before = int(state.kv.allocator.num_free)
+    free_before = int(state.kv[0].allocator.num_free)
     freed = drafter.free(state, jnp.asarray([True, False]))
-    assert int(freed.kv.allocator.num_free) == free_before + 3  # ceil(9 / 4) blocks
-    np.testing.assert_array_equal(freed.seq_len, [0, 5])
-    np.testing.assert_array_equal(freed.last_pair_key, [-1, 4])
+    assert int(freed.kv[0].allocator.num_free) == free_before + 3  # ceil(9 / 4) blocks
+    np.testing.assert_array_equal(freed.seq_len[0], [0, 5])
+    np.testing.assert_array_equal(freed.last_pair_key[0], [-1, 4])
     np.testing.assert_array_equal(freed.last_num_drafted, [0, 3])
-    assert np.all(np.asarray(freed.block_table[0]) == -1)
+    assert np.all(np.asarray(freed.kv[0].block_table[0]) == -1)
+    np.testing.assert_array_equal(freed.freed, [True, False])
+
+
+def test_free_sequences_resets_bookkeeping():
+    # The pure function behind free, on a state built by hand (moved here from test_kv.py).
+    state = _drafted_state(tiny_cfg(), [3, 3], [5, 2], [4, 1])
+    out = kv.free_sequences(state, jnp.asarray([True, False]))
+    assert np.asarray(out.last_pair_key[0]).tolist() == [-1, 1]
+    assert np.asarray(out.last_num_drafted).tolist() == [0, 3]
+    assert np.asarray(out.seq_len[0]).tolist() == [0, 2]
+    assert int(out.kv[0].allocator.num_free) == int(state.kv[0].allocator.num_free) + 2
 
 
 def test_after_verify_and_free_trace_once():
     cfg = tiny_cfg()
+    sizes = T._after_verify._cache_size(), T._free._cache_size()
     counted = jax.jit(
-        chex.assert_max_traces(drafter.after_verify.__wrapped__, n=1),
-        donate_argnames=("state",),
+        chex.assert_max_traces(T._after_verify.__wrapped__, n=1), donate_argnames=("state",)
     )
-    counted_free = jax.jit(
-        chex.assert_max_traces(drafter.free.__wrapped__, n=1), donate_argnames=("state",)
-    )
+    counted_free = jax.jit(chex.assert_max_traces(T._free.__wrapped__, n=1))
+    # The default refeed, passed or not, as a bool or per sequence: one program.
+    refeeds = ({}, {"refeed": False}, {"refeed": np.asarray([True, False])})
     for i in range(3):
         state = _drafted_state(cfg, [3, i], [9, 5], [8, 4])
-        _, state = counted(state, jnp.asarray([i, 1]), refeed=jnp.asarray([i % 2 == 0, True]))
+        _, state = counted(state, jnp.asarray([i, 1]), jnp.asarray([i % 2 == 0, True]))
         counted_free(state, jnp.asarray([i == 1, False]))
+        state = _drafted_state(cfg, [3, i], [9, 5], [8, 4])
+        _, state = drafter.after_verify(state, np.asarray([i, 1], np.int32), **refeeds[i])
+        drafter.free(state, np.asarray([i == 1, False]))
+    assert T._after_verify._cache_size() - sizes[0] <= 1
+    assert T._free._cache_size() - sizes[1] <= 1
     chex.clear_trace_counter()
 
 
@@ -207,7 +232,7 @@ def _rebuild(params, head, tokens, hidden):
 def _check_rows(params, head, state, b, seq, drafts, chain_hidden):
     tokens, hidden = seq.expected(drafts, chain_hidden)
     rows = len(tokens)
-    assert np.asarray(state.seq_len)[b] == rows
+    assert np.asarray(state.seq_len[0])[b] == rows
     pad = MAX_KEYS - rows
     tok = np.pad(np.asarray(tokens, np.int32), (0, pad))
     hid = np.pad(np.stack([np.asarray(h, np.float32) for h in hidden]), ((0, pad), (0, 0)))
@@ -265,7 +290,7 @@ def test_rows_equal_a_rebuild_after_random_rounds(seed, prompt_lens, rounds):
             hid[b, : len(keys)] = np.asarray(target[b, keys[0] : keys[-1] + 1], np.float32)
         window = pairs(tok, hid.astype(jnp.bfloat16), count, window_start)
         out, state = propose_default(params, head, state, window, cfg)
-        kv.raise_on_error(state.kv)
+        drafter.raise_on_state_error(state)
         drafts, chain_hidden = np.asarray(out.tokens), np.asarray(out.hidden)
         for b, s in enumerate(seqs):
             _check_rows(params, head, state, b, s, drafts[b], chain_hidden[b])
@@ -280,7 +305,7 @@ def test_rows_equal_a_rebuild_after_random_rounds(seed, prompt_lens, rounds):
                     s.drafter_fed[e + j] = chain_hidden[b, j - 1]
             window_start[b] = s.n
             s.committed += [*drafts[b, :a].tolist(), int(rng.integers(0, V))]
-            assert np.asarray(state.last_pair_key)[b] <= s.n - 1
+            assert np.asarray(state.last_pair_key[0])[b] <= s.n - 1
     # A refeed round after round leaves no drafter-fed row: the rows are the rebuild exactly.
     if all(all(r) for _, r in rounds):
         assert not any(s.drafter_fed for s in seqs)

@@ -333,19 +333,3 @@ def test_jitted_steps_trace_once():
         cache = step(cache, jnp.full((2, 3, H, D), float(i)), jnp.asarray([i % 4, 3 - i % 4]))
         alloc, _, _ = alloc_step(alloc, jnp.asarray([i % 2, 1], jnp.int32))
     chex.clear_trace_counter()
-
-
-def test_free_sequences_resets_bookkeeping():
-    state = kv.init_state(_cfg(), num_seqs=2)
-    state = kv.DrafterState(
-        kv=kv.append(state.kv, jnp.ones((2, 5, H, D)), jnp.ones((2, 5, H, D)), jnp.asarray([5, 2]))[
-            0
-        ],
-        last_pair_key=jnp.asarray([4, 1], jnp.int32),
-        last_num_drafted=jnp.asarray([3, 3], jnp.int32),
-    )
-    out = kv.free_sequences(state, jnp.asarray([True, False]))
-    assert np.asarray(out.last_pair_key).tolist() == [-1, 1]
-    assert np.asarray(out.last_num_drafted).tolist() == [0, 3]
-    assert np.asarray(out.seq_len).tolist() == [0, 2]
-    assert int(out.kv.allocator.num_free) == 16 - 1

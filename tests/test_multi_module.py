@@ -17,12 +17,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafter_helpers import H, V, held_rows, make, make_head, np_tree, pairs, pool, tiny_cfg
+from drafter_helpers import (
+    H,
+    V,
+    draft_step,
+    held_rows,
+    make,
+    make_head,
+    np_tree,
+    pairs,
+    pool,
+    tiny_cfg,
+)
 from hypothesis import given, settings
 
 from mtpjax import drafter, kv
+from mtpjax import drafter as mm
 from mtpjax.config import HiddenContract
-from mtpjax.drafter import multi_module as mm
+from mtpjax.drafter import _propose as P
+from mtpjax.drafter import _trim as T
 
 B = 2
 MAX_KEYS = 40  # rows per sequence of the test pools (max_seq_len 40, blocks of 4)
@@ -36,12 +49,12 @@ def _multi(n: int, schedule: mm.ModuleSchedule = CLAMP):
     cfg = tiny_cfg(num_mtp_modules=n)
     first, _ = make(BASE)
     others = [drafter.init(BASE, key=jax.random.PRNGKey(100 + i)) for i in range(1, n)]
-    params = mm.MultiDrafterParams(modules=(first, *others), schedule=schedule)
+    params = mm.DrafterModules(modules=(first, *others), schedule=schedule)
     return cfg, params, make_head(BASE)
 
 
 def _state(n: int):
-    return mm.init_multi_state(pool(BASE, max_seqs=B), num_seqs=B, num_modules=n)
+    return mm.init_state(pool(BASE, max_seqs=B), num_seqs=B, num_modules=n)
 
 
 def _window(tokens, hidden, keys_per_seq, width):
@@ -68,17 +81,15 @@ def _assert_rows(got_state, want_state, b, *, exact=True):
 def _propose(params, head, state, window, cfg, num_drafts=5, **kw):
     """propose_multi with the keyword set every call here shares (one compilation per N)."""
     kw.setdefault("hidden_contract", HiddenContract.POST_NORM)
-    return mm.propose_multi(params, head, state, window, cfg=cfg, num_drafts=num_drafts, **kw)
+    return mm.propose(params, head, state, window, cfg=cfg, num_drafts=num_drafts, **kw)
 
 
 def _verify(state, accepted, refeed=(False, False)):
-    return mm.after_verify_multi(
-        state, np.asarray(accepted, np.int32), refeed=np.asarray(refeed, bool)
-    )
+    return mm.after_verify(state, np.asarray(accepted, np.int32), refeed=np.asarray(refeed, bool))
 
 
-def _held_keys(state: mm.MultiDrafterState, m: int, b: int) -> list[int]:
-    n = int(np.asarray(state.modules[m].seq_len)[b])
+def _held_keys(state: mm.DrafterState, m: int, b: int) -> list[int]:
+    n = int(np.asarray(state.kv[m].seq_len)[b])
     keys = np.asarray(state.row_keys[m])[b]
     assert np.all(keys[n:] == -1)
     return keys[:n].tolist()
@@ -90,33 +101,31 @@ def _held_keys(state: mm.MultiDrafterState, m: int, b: int) -> list[int]:
 
 def test_construction_errors_and_conversions():
     with pytest.raises(ValueError, match="at least one module"):
-        mm.MultiDrafterParams(modules=())
+        mm.DrafterModules(modules=())
     with pytest.raises(ValueError, match="at least one module"):
-        mm.init_multi_state(pool(BASE, max_seqs=B), num_seqs=B, num_modules=0)
-    with pytest.raises(ValueError, match="needs num_modules"):
-        mm.init_multi_state(pool(BASE, max_seqs=B), num_seqs=B)
+        mm.init_state(pool(BASE, max_seqs=B), num_seqs=B, num_modules=0)
     with pytest.raises(TypeError, match="ModuleSchedule"):
-        mm.MultiDrafterParams(modules=(make(BASE)[0],), schedule="cycle")
+        mm.DrafterModules(modules=(make(BASE)[0],), schedule="cycle")
     first, _ = make(BASE)
-    params = mm.MultiDrafterParams(modules=[first, first])
+    params = mm.DrafterModules(modules=[first, first])
     assert params.modules == (first, first) and params.schedule is CLAMP
     ckpt = types.SimpleNamespace(modules=[first], head=None)
-    assert mm.MultiDrafterParams.from_checkpoint(ckpt, schedule=CYCLE).num_modules == 1
+    assert mm.DrafterModules.from_checkpoint(ckpt, schedule=CYCLE).num_modules == 1
     # The module count is the config's; a mismatch names both and the fix.
     cfg, params3, head = _multi(3)
     with pytest.raises(ValueError, match="num_mtp_modules=1"):
-        mm.propose_multi(
+        mm.propose(
             params3, head, _state(3), pairs(np.zeros((B, 2)), np.zeros((B, 2, H)), [1, 1], [0, 0]),
             cfg=BASE, num_drafts=3,
         )  # fmt: skip
     with pytest.raises(ValueError, match="3 module states, the drafter 2"):
         cfg2, params2, _ = _multi(2)
-        mm.propose_multi(
+        mm.propose(
             params2, head, _state(3), pairs(np.zeros((B, 2)), np.zeros((B, 2, H)), [1, 1], [0, 0]),
             cfg=cfg2, num_drafts=2,
         )  # fmt: skip
     # init_multi: one independent module per cfg.num_mtp_modules.
-    made = mm.init_multi(cfg, key=jax.random.PRNGKey(3))
+    made = mm.init_modules(cfg, key=jax.random.PRNGKey(3))
     assert made.num_modules == 3
     for module, key in zip(made.modules, jax.random.split(jax.random.PRNGKey(3), 3)):
         want = drafter.init(BASE, key=key)
@@ -139,7 +148,7 @@ def test_effective_num_drafts_clamps_or_cycles():
     cfg, params, head = _multi(2, CYCLE)
     window = pairs(np.zeros((B, 2)), np.zeros((B, 2, H)), [1, 1], [0, 0])
     with pytest.raises(ValueError, match="multiple of N=2"):
-        mm.propose_multi(params, head, _state(2), window, cfg=cfg, num_drafts=3)
+        mm.propose(params, head, _state(2), window, cfg=cfg, num_drafts=3)
 
 
 @pytest.mark.parametrize(
@@ -198,12 +207,12 @@ def test_one_module_is_the_single_head():
         for g, w in zip(jax.tree.leaves(np_tree(got)), jax.tree.leaves(np_tree(want))):
             np.testing.assert_array_equal(g, w)
         for _ in range(2):  # after propose, then after the verify
-            module = multi_state.modules[0]
+            module = multi_state
             for field in ("seq_len", "last_pair_key", "last_num_drafted"):
                 np.testing.assert_array_equal(getattr(module, field), getattr(single_state, field))
             for b in range(B):
                 _assert_rows(module, single_state, b)
-                last = int(np.asarray(module.last_pair_key)[b])
+                last = int(np.asarray(module.last_pair_key)[0, b])
                 held = _held_keys(multi_state, 0, b)
                 assert held == list(range(last - len(held) + 1, last + 1))
             a, r = np.asarray(accepted, np.int32), np.asarray(refeed, bool)
@@ -211,7 +220,7 @@ def test_one_module_is_the_single_head():
                 break
             t_multi, multi_state = _verify(multi_state, a, r)
             t_single, single_state = drafter.after_verify(single_state, a, refeed=r)
-            np.testing.assert_array_equal(t_multi[:, 0], t_single)
+            np.testing.assert_array_equal(t_multi[:, 0], t_single[:, 0])
         drafts = np.asarray(got.tokens)
         for b in range(B):
             tokens[b][n[b] + 1 : n[b] + accepted[b] + 1] = drafts[b, : accepted[b]].tolist()
@@ -231,7 +240,7 @@ def _hand_round(modules, head, states, window, *, K, module_of, contract):
     states = list(states)
     anchor = [None] * B
     for t in range(count.max()):
-        out, states[0] = drafter.draft_step(
+        out, states[0] = draft_step(
             modules[0], head, states[0], tok[:, t], hid[:, t], start + t, cfg=BASE,
             active=t < count,
         )  # fmt: skip
@@ -244,7 +253,7 @@ def _hand_round(modules, head, states, window, *, K, module_of, contract):
     drafts, probs, handed = [], [], []
     for s in range(K):
         if s > 0:
-            out, states[module_of(s)] = drafter.draft_step(
+            out, states[module_of(s)] = draft_step(
                 modules[module_of(s)], head, states[module_of(s)], drafts[-1], handed[-1], e + s,
                 cfg=BASE, active=np.ones(B, bool),
             )  # fmt: skip
@@ -264,10 +273,7 @@ def _hand_round(modules, head, states, window, *, K, module_of, contract):
 
 def _hand_trim(states, trims):
     """Drops trims[m][b] newest rows of hand state m (what after_verify_multi must do)."""
-    return [
-        dataclasses.replace(s, kv=kv.truncate(s.kv, jnp.asarray(t, jnp.int32)))
-        for s, t in zip(states, trims)
-    ]
+    return [kv.truncate(s, jnp.asarray(t, jnp.int32)) for s, t in zip(states, trims)]
 
 
 def _two_hand_rounds(n_modules, schedule, K, contract, accepted, want_trims):
@@ -280,7 +286,7 @@ def _two_hand_rounds(n_modules, schedule, K, contract, accepted, want_trims):
     tokens = rng.integers(0, V, (B, 30)).tolist()
     target = rng.standard_normal((B, 30, H)).astype(jnp.bfloat16)
     state = _state(n_modules)
-    hand = [drafter.init_state(pool(BASE, max_seqs=B), num_seqs=B) for _ in range(n_modules)]
+    hand = [kv.init_cache(pool(BASE, max_seqs=B), num_seqs=B) for _ in range(n_modules)]
     n = [3, 5]
     first_anchor = [n[b] - 1 for b in range(B)]
     window_keys = [[n[b] - 1] for b in range(B)]
@@ -299,9 +305,9 @@ def _two_hand_rounds(n_modules, schedule, K, contract, accepted, want_trims):
         np.testing.assert_allclose(out.probs, probs, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out.hidden, handed, rtol=1e-4, atol=1e-4)
         for m in range(n_modules):
-            np.testing.assert_array_equal(state.modules[m].seq_len, hand[m].seq_len)
+            np.testing.assert_array_equal(state.kv[m].seq_len, hand[m].seq_len)
             for b in range(B):
-                _assert_rows(state.modules[m], hand[m], b, exact=False)
+                _assert_rows(state.kv[m], hand[m], b, exact=False)
         a = np.asarray(accepted[rnd], np.int32)
         trims, state = _verify(state, a)
         np.testing.assert_array_equal(trims, want_trims[rnd])
@@ -315,7 +321,7 @@ def _two_hand_rounds(n_modules, schedule, K, contract, accepted, want_trims):
             for m in range(n_modules):
                 if m:
                     assert _held_keys(state, m, b) == kept[b][m]
-                _assert_rows(state.modules[m], hand[m], b, exact=False)
+                _assert_rows(state.kv[m], hand[m], b, exact=False)
             tokens[b][n[b] + 1 : n[b] + a[b] + 1] = drafts[b, : a[b]].tolist()
             window_keys[b] = list(range(n[b], n[b] + a[b] + 1))
             n[b] += a[b] + 1
@@ -382,7 +388,7 @@ def _check_invariant(params, head, state, tokens, target, keys):
     for m in range(len(params.modules)):
         for b in range(B):
             assert _held_keys(state, m, b) == keys[b][m], (m, b)
-            got = held_rows(state.modules[m], b)
+            got = held_rows(state, b, m)
             for g, w in zip(got, want[m][b]):
                 assert g.shape == w.shape
                 if not w.size:
@@ -420,7 +426,7 @@ def test_rows_equal_a_rebuild_after_random_rounds(seed, prompt_lens, rounds):
     tok = np.zeros((B, 7), np.int32)
     for b, t in enumerate(tokens):
         tok[b, : len(t) - 2] = t[1:-1]
-    state = mm.prefill_multi(
+    state = mm.prefill(
         params, head, state, pairs(tok, target[:, :7], [n - 1 for n in prompt_lens], [0, 0]),
         cfg=cfg, chunk_size=4,
     )  # fmt: skip
@@ -430,7 +436,7 @@ def test_rows_equal_a_rebuild_after_random_rounds(seed, prompt_lens, rounds):
     for accepted, verified, refeed in rounds:
         window, _ = _window(tokens, target, window_keys, K3 + 1)
         out, state = _propose(params, head, state, window, cfg)
-        kv.raise_on_error(state.modules[0].kv)
+        mm.raise_on_state_error(state)
         drafts = np.asarray(out.tokens)
         assert drafts.shape == (B, K3)
         pending = []
@@ -467,7 +473,7 @@ def _drafted_three_module_state():
     state = _state(3)
     tok = np.zeros((B, 7), np.int32)
     tok[:, :6] = np.asarray(tokens)[:, 1:7]
-    state = mm.prefill_multi(
+    state = mm.prefill(
         params, head, state, pairs(tok, target[:, :7], [6, 4], [0, 0]), cfg=cfg, chunk_size=4
     )
     window, _ = _window(tokens, target, [[6], [4]], K3 + 1)
@@ -478,18 +484,18 @@ def test_free_returns_every_modules_blocks():
     cfg, params, head, _, _, state, window = _drafted_three_module_state()
     _, state = _propose(params, head, state, window, cfg)
     _, state = _verify(state, [2, 1])
-    total = [int(m.kv.allocator.num_blocks) for m in state.modules]
-    held = [np.sum(np.asarray(m.block_table) >= 0, axis=1) for m in state.modules]
+    total = [int(c.allocator.num_blocks) for c in state.kv]
+    held = [np.sum(np.asarray(c.block_table) >= 0, axis=1) for c in state.kv]
     assert all(h[0] > 0 for h in held)  # every module holds blocks for sequence 0
-    state = mm.free_multi(state, np.asarray([True, False]))
-    for m, module in enumerate(state.modules):
-        assert int(module.kv.allocator.num_free) == total[m] - held[m][1]
-        assert np.all(np.asarray(module.block_table[0]) == -1)
-        assert int(module.seq_len[0]) == 0 and int(module.last_pair_key[0]) == -1
+    state = mm.free(state, np.asarray([True, False]))
+    for m, cache in enumerate(state.kv):
+        assert int(cache.allocator.num_free) == total[m] - held[m][1]
+        assert np.all(np.asarray(cache.block_table[0]) == -1)
+        assert int(cache.seq_len[0]) == 0 and int(state.last_pair_key[m, 0]) == -1
         assert _held_keys(state, m, 0) == []
-    state = mm.free_multi(state, np.asarray([False, True]))
-    for m, module in enumerate(state.modules):
-        assert int(module.kv.allocator.num_free) == total[m]
+    state = mm.free(state, np.asarray([False, True]))
+    for m, cache in enumerate(state.kv):
+        assert int(cache.allocator.num_free) == total[m]
     np.testing.assert_array_equal(state.last_num_drafted, [0, 0])
 
 
@@ -523,21 +529,21 @@ def test_rewind_and_unverified_rounds():
 
 def test_public_steps_trace_once():
     cfg, params, head, _, target, state, _ = _drafted_three_module_state()
-    names = ("propose_multi", "after_verify_multi", "free_multi", "prefill_multi")
-    sizes = {n: getattr(mm, n)._cache_size() for n in names}
+    steps = (P._propose, T._after_verify, T._free, P._prefill)
+    sizes = [f._cache_size() for f in steps]
     rng = np.random.default_rng(4)
     for i in range(3):
         tok = rng.integers(0, V, (B, 7)).astype(np.int32)
-        state = mm.prefill_multi(
+        state = mm.prefill(
             params, head, state, pairs(tok, target[:, :7], [i + 1, 3 - i], [8 + i, 6]),
             cfg=cfg, chunk_size=4,
         )  # fmt: skip
         win = pairs(tok[:, :4], target[:, :4], [1 + i, 3 - i], [9 + i, 7 + i])
         _, state = _propose(params, head, state, win, cfg)
         _, state = _verify(state, [i, 3 - i], [i == 1, True])
-        state = mm.free_multi(state, np.asarray([i == 2, False]))
-    for n in names:
-        assert getattr(mm, n)._cache_size() - sizes[n] <= 1, n
+        state = mm.free(state, np.asarray([i == 2, False]))
+    for f, size in zip(steps, sizes):
+        assert f._cache_size() - size <= 1, f
 
 
 def test_the_verify_step_trims_a_multi_module_state():
@@ -575,7 +581,7 @@ def test_single_head_entry_points_serve_multi_module_drafters():
 
     s0 = _state(3)
     via_entry = drafter.prefill(params, head, clone(s0), window, cfg=cfg)
-    direct = mm.prefill_multi(params, head, clone(s0), window, cfg=cfg)
+    direct = mm.prefill(params, head, clone(s0), window, cfg=cfg, implementation="XLA")
     for a, b in zip(jax.tree.leaves(via_entry), jax.tree.leaves(direct)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

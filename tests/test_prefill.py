@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from drafter_helpers import (
     clone,
+    draft_step,
     held_rows,
     make,
     new_state,
@@ -18,8 +19,10 @@ from drafter_helpers import (
     tiny_cfg,
 )
 
-from mtpjax import drafter
+from mtpjax import drafter, kv
 from mtpjax.config import FfnKind
+from mtpjax.drafter import _propose as P
+from pallas_kernels.implementation import Implementation
 
 B, T = 2, 7
 COUNTS = (7, 5)  # pairs per window: with chunks of 4 and blocks of 4, both cross boundaries
@@ -47,14 +50,14 @@ def test_prefill_rows_equal_the_row_by_row_path(setup):
         params, head, new_state(cfg, B), pairs(tokens, hidden, COUNTS, start), cfg=cfg,
         chunk_size=4,
     )  # fmt: skip
-    np.testing.assert_array_equal(state.seq_len, COUNTS)
-    np.testing.assert_array_equal(state.last_pair_key, start + np.asarray(COUNTS) - 1)
+    np.testing.assert_array_equal(state.seq_len[0], COUNTS)
+    np.testing.assert_array_equal(state.last_pair_key[0], start + np.asarray(COUNTS) - 1)
     np.testing.assert_array_equal(state.last_num_drafted, [0, 0])
     # One paged row at a time through draft_step (which also attends; its rows must match).
-    stepped = new_state(cfg, B)
+    stepped = new_state(cfg, B).kv[0]
     for t in range(T):
         active = np.asarray([t < c for c in COUNTS])
-        _, stepped = drafter.draft_step(
+        _, stepped = draft_step(
             params, head, stepped, tokens[:, t], hidden[:, t], (start + t).astype(np.int32),
             cfg=cfg, active=active,
         )  # fmt: skip
@@ -96,8 +99,8 @@ def test_prefill_skips_held_pairs(setup):
     second = drafter.prefill(
         params, head, first, pairs(shifted_t, shifted_h, [5, 3], [2, 2]), cfg=cfg, chunk_size=4
     )
-    np.testing.assert_array_equal(second.seq_len, COUNTS)
-    np.testing.assert_array_equal(second.last_pair_key, np.asarray(COUNTS) - 1)
+    np.testing.assert_array_equal(second.seq_len[0], COUNTS)
+    np.testing.assert_array_equal(second.last_pair_key[0], np.asarray(COUNTS) - 1)
     for b in range(B):
         for g, w in zip(held_rows(second, b), held_rows(once, b)):
             _bf16_close(g, w)
@@ -116,9 +119,9 @@ def test_inactive_sequences_are_untouched(setup):
     ):
         new = drafter.prefill(params, head, clone(base), window, cfg=cfg, chunk_size=4)
         got, want = np_tree(new), np_tree(before)
-        assert got.seq_len[0] == 9 and got.seq_len[1] == want.seq_len[1]
-        assert got.last_pair_key[1] == want.last_pair_key[1]
-        np.testing.assert_array_equal(got.kv.block_table[1], want.kv.block_table[1])
+        assert got.kv[0].seq_len[0] == 9 and got.kv[0].seq_len[1] == want.kv[0].seq_len[1]
+        assert new.last_pair_key[0, 1] == before.last_pair_key[0, 1]
+        np.testing.assert_array_equal(got.kv[0].block_table[1], want.kv[0].block_table[1])
         for g, w in zip(held_rows(new, 1), held_rows(before, 1)):
             np.testing.assert_array_equal(g, w)
 
@@ -152,16 +155,48 @@ def test_prefill_needs_bf16_fc_k_v(ffn, precision, ok):
 def test_prefill_traces_once(setup):
     cfg, params, head, _, _ = setup
     counted = jax.jit(
-        chex.assert_max_traces(drafter.prefill.__wrapped__, n=1),
+        chex.assert_max_traces(P._prefill.__wrapped__, n=1),
         static_argnames=("cfg", "chunk_size", "head_cfg", "implementation"),
         donate_argnames=("state",),
     )
-    before = drafter.prefill._cache_size()
+    modules = drafter.DrafterModules(modules=(params,), schedule=drafter.ModuleSchedule.CYCLE)
+    before = P._prefill._cache_size()
     rng = np.random.default_rng(2)
     for i in range(3):
         tokens, hidden = random_pairs(rng, (B, T))
         window = pairs(tokens, hidden, [7 - i, 2 + i], [i, 3 * i])
-        for fn in (counted, drafter.prefill):
-            fn(params, head, new_state(cfg, B), window, cfg=cfg, chunk_size=4)
-    assert drafter.prefill._cache_size() - before <= 1
+        counted(
+            modules, head, new_state(cfg, B), P._check_inputs(new_state(cfg, B), window, cfg, 1),
+            cfg=cfg, chunk_size=4, head_cfg=cfg.lm_head_config(),
+            implementation=Implementation.AUTO,
+        )  # fmt: skip
+        drafter.prefill(
+            params, head, new_state(cfg, B), window, cfg=cfg, chunk_size=4,
+            implementation=("auto", "AUTO", Implementation.AUTO)[i],
+        )  # fmt: skip
+    assert P._prefill._cache_size() - before <= 1
     chex.clear_trace_counter()
+
+
+def test_a_count_past_the_window_width_is_refused(setup):
+    """A window claiming more pairs than it is wide writes nothing and flags the sequence (its
+    neighbour is served); the flag names the reason on the host and clears with free."""
+    cfg, params, head, tokens, hidden = setup
+    state = drafter.prefill(
+        params, head, new_state(cfg, B), pairs(tokens, hidden, [T + 3, 4], [0, 0]), cfg=cfg,
+        chunk_size=4,
+    )  # fmt: skip
+    np.testing.assert_array_equal(state.seq_len[0], [0, 4])
+    np.testing.assert_array_equal(state.last_pair_key[0], [-1, 3])
+    np.testing.assert_array_equal(
+        state.window_error, [int(drafter.WindowError.COUNT_PAST_WIDTH), 0]
+    )
+    with pytest.raises(kv.KVCacheError, match=r"sequence 0: Pairs\.count exceeds the window width"):
+        drafter.raise_on_state_error(state)
+    # Sticky: a good window for the flagged sequence is skipped until it is freed.
+    state = drafter.prefill(params, head, state, pairs(tokens, hidden, [2, 5], [0, 4]), cfg=cfg)
+    np.testing.assert_array_equal(state.seq_len[0], [0, 9])
+    state = drafter.free(state, np.asarray([True, True]))
+    drafter.raise_on_state_error(state)
+    state = drafter.prefill(params, head, state, pairs(tokens, hidden, [2, 5], [0, 0]), cfg=cfg)
+    np.testing.assert_array_equal(state.seq_len[0], [2, 5])

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from drafter_helpers import (
     V,
     clone,
+    draft_step,
     held_rows,
     make,
     new_state,
@@ -21,6 +23,8 @@ from drafter_helpers import (
 
 from mtpjax import drafter, kv
 from mtpjax.config import FfnKind, HiddenContract
+from mtpjax.drafter import _propose as P
+from pallas_kernels.implementation import Implementation
 
 B, T, K = 2, 4, 3  # sequences, window width, drafts: shared so the tests share compilations
 LENS = (5, 3)  # committed pairs per sequence (keys 0..n-1; the last one is the anchor)
@@ -123,7 +127,7 @@ def _manual_chain(cfg, params, head, state, tokens, hidden, contract, k=K):
     tok, hid, pos = tokens[idx, n - 1], anchor_hidden, (n - 1).astype(np.int32)
     drafts, probs = [], []
     for _ in range(k):
-        out, state = drafter.draft_step(params, head, state, tok, hid, pos, cfg=cfg)
+        out, state = draft_step(params, head, state, tok, hid, pos, cfg=cfg)
         out = np_tree(out)
         p = np.exp(out.logits - out.logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
@@ -144,7 +148,7 @@ def test_propose_equals_manual_single_row_steps(setup, contract):
     cfg, params, head, tokens, hidden = setup
     state = _prefilled(cfg, params, head, tokens, hidden)
     manual_tokens, manual_probs, manual_state = _manual_chain(
-        cfg, params, head, clone(state), tokens, hidden, contract
+        cfg, params, head, clone(state).kv[0], tokens, hidden, contract
     )
     out, new = _propose(
         params, head, state, _anchor_window(tokens, hidden), cfg, hidden_contract=contract
@@ -153,8 +157,8 @@ def test_propose_equals_manual_single_row_steps(setup, contract):
     np.testing.assert_allclose(out.probs, manual_probs, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out.confidence, np.minimum.accumulate(manual_probs, 1), rtol=1e-5)
     np.testing.assert_array_equal(out.num_valid, [K] * B)
-    np.testing.assert_array_equal(new.seq_len, manual_state.seq_len)
-    np.testing.assert_array_equal(new.last_pair_key, np.asarray(LENS) - 1 + K - 1)
+    np.testing.assert_array_equal(new.seq_len[0], manual_state.seq_len)
+    np.testing.assert_array_equal(new.last_pair_key[0], np.asarray(LENS) - 1 + K - 1)
     np.testing.assert_array_equal(new.last_num_drafted, [K] * B)
     for b in range(B):
         for got, want in zip(held_rows(new, b), held_rows(manual_state, b)):
@@ -168,8 +172,8 @@ def test_hidden_contracts_feed_what_they_say(setup):
     base = _prefilled(cfg, params, head, tokens, hidden)
     n = np.asarray(LENS)
     idx = np.arange(B)
-    first, after_anchor = drafter.draft_step(
-        params, head, clone(base), tokens[idx, n - 1], hidden[idx, n - 1],
+    first, after_anchor = draft_step(
+        params, head, clone(base).kv[0], tokens[idx, n - 1], hidden[idx, n - 1],
         (n - 1).astype(np.int32), cfg=cfg,
     )  # fmt: skip
     first = np_tree(first)
@@ -186,9 +190,7 @@ def test_hidden_contracts_feed_what_they_say(setup):
             hidden_contract=contract,
         )  # fmt: skip
         np.testing.assert_allclose(out.hidden[:, 0], h, rtol=1e-5, atol=1e-5)
-        step2, _ = drafter.draft_step(
-            params, head, clone(after_anchor), d1, h, n.astype(np.int32), cfg=cfg
-        )
+        step2, _ = draft_step(params, head, clone(after_anchor), d1, h, n.astype(np.int32), cfg=cfg)
         step2 = np_tree(step2)
         np.testing.assert_array_equal(out.tokens[:, 1], step2.logits.argmax(-1))
         np.testing.assert_allclose(out.logits[:, 1], step2.logits, rtol=1e-5, atol=1e-5)
@@ -350,8 +352,8 @@ def test_per_draft_bitmask_and_reduced_vocab_on_a_moe_head():
     np.testing.assert_allclose(out.logits[:, 0], anchor, atol=0.25)
     chosen = anchor[np.arange(B), out.tokens[:, 0]]
     assert np.all(chosen >= anchor.max(-1) - 0.5)
-    np.testing.assert_array_equal(state.seq_len, count + K - 1)
-    kv.raise_on_error(state.kv)
+    np.testing.assert_array_equal(state.seq_len[0], count + K - 1)
+    drafter.raise_on_state_error(state)
 
 
 def test_confidence_threshold_cuts_the_chain(setup):
@@ -406,10 +408,10 @@ def test_inactive_sequences_are_untouched(setup):
         np.testing.assert_array_equal(out.tokens[1], [-1] * K)
         np.testing.assert_array_equal(out.num_valid, [K, 0])
         got, want = np_tree(new), np_tree(before)
-        assert got.seq_len[1] == want.seq_len[1]
-        assert got.last_pair_key[1] == want.last_pair_key[1]
+        assert got.kv[0].seq_len[1] == want.kv[0].seq_len[1]
+        assert new.last_pair_key[0, 1] == before.last_pair_key[0, 1]
         assert got.last_num_drafted[1] == want.last_num_drafted[1]
-        np.testing.assert_array_equal(got.kv.block_table[1], want.kv.block_table[1])
+        np.testing.assert_array_equal(got.kv[0].block_table[1], want.kv[0].block_table[1])
         for g, w in zip(held_rows(new, 1), held_rows(before, 1)):
             np.testing.assert_array_equal(g, w)
 
@@ -418,31 +420,93 @@ def test_inactive_sequences_are_untouched(setup):
 # Tracing.
 
 
-def test_propose_and_step_trace_once(setup):
+def test_propose_traces_once(setup):
     cfg, params, head, _, _ = setup
     counted = jax.jit(
-        chex.assert_max_traces(drafter.propose.__wrapped__, n=1),
+        chex.assert_max_traces(P._propose.__wrapped__, n=1),
         static_argnames=PROPOSE_STATIC,
         donate_argnames=("state",),
     )
-    sizes = drafter.propose._cache_size(), drafter.draft_step._cache_size()
+    size = P._propose._cache_size()
     rng = np.random.default_rng(5)
     mask = np.full((B, -(-V // 32)), -1, np.int32)
     for i in range(3):
-        # Different counts, starts, values and thresholds every call.
+        # Different counts, starts, values and thresholds every call, and every spelling of the
+        # implementation: one program.
         tok, hid = random_pairs(rng, (B, T))
-        window = pairs(tok, hid, [1 + i, 3 - i], [i, 2 * i])
+        window = P._check_inputs(
+            new_state(cfg, B), pairs(tok, hid, [1 + i, 3 - i], [i, 2 * i]), cfg, 1
+        )
         _, state = counted(
-            params, head, new_state(cfg, B), window, cfg=cfg, num_drafts=K,
-            confidence_threshold=0.1 * i,
+            drafter.DrafterModules(modules=(params,), schedule=drafter.ModuleSchedule.CYCLE),
+            head, new_state(cfg, B), window, None, jnp.full((B,), 0.1 * i), cfg=cfg,
+            num_drafts=K, hidden_contract=HiddenContract.POST_NORM, head_cfg=cfg.lm_head_config(),
+            return_logits=False, implementation=Implementation.AUTO,
         )  # fmt: skip
         _, state = drafter.propose(
             params, head, state, window, cfg=cfg, num_drafts=K, return_logits=True,
             bitmask=mask, confidence_threshold=np.full((B,), 0.1 * i, np.float32),
+            implementation=("auto", "AUTO", Implementation.AUTO)[i],
         )  # fmt: skip
-        positions = np.asarray([5 + i, i], np.int32)
-        drafter.draft_step(params, head, state, tok[:, 0], hid[:, 0], positions, cfg=cfg)
-    # The library's own jitted steps: at most one new compilation each for all those calls.
-    assert drafter.propose._cache_size() - sizes[0] <= 1
-    assert drafter.draft_step._cache_size() - sizes[1] <= 1
+    # The library's own jitted step: at most one new compilation for all those calls.
+    assert P._propose._cache_size() - size <= 1
     chex.clear_trace_counter()
+
+
+def test_num_drafts_must_be_an_int(setup):
+    cfg, params, head, tokens, hidden = setup
+    state = new_state(cfg, B)
+    for bad in (True, 0, 2.0):
+        with pytest.raises(ValueError, match=f"num_drafts must be an int >= 1, got {bad!r}"):
+            drafter.propose(
+                params, head, state, _anchor_window(tokens, hidden), cfg=cfg, num_drafts=bad
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Windows the drafter must not take at face value.
+
+
+def test_rewinding_with_another_token_rewrites_the_anchor_row(setup):
+    """Back at the prompt end with a different first token: the held anchor row (and what was
+    built on it) goes, and the drafts equal a clean run's from that token."""
+    cfg, params, head, tokens, hidden = setup
+    window = _anchor_window(tokens, hidden)
+    other = np.asarray(window.tokens).copy()
+    other[:, 0] = (other[:, 0] + 1) % V
+    rewound = pairs(other, window.hidden, window.count, window.start)
+    state = _prefilled(cfg, params, head, tokens, hidden)
+    _, state = _propose(params, head, state, window, cfg)
+    _, state = drafter.after_verify(state, np.asarray([2, 0], np.int32))
+    got, got_state = _propose(params, head, state, rewound, cfg)
+    want, want_state = _propose(
+        params, head, _prefilled(cfg, params, head, tokens, hidden), rewound, cfg
+    )
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got_state.seq_len, want_state.seq_len)
+    for b in range(B):
+        for g, w in zip(held_rows(got_state, b), held_rows(want_state, b)):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_gap_and_a_late_start_after_free_are_refused(setup):
+    cfg, params, head, tokens, hidden = setup
+    state = _prefilled(cfg, params, head, tokens, hidden)  # keys 0..3 and 0..1
+    before = clone(state)
+    window = _anchor_window(tokens, hidden)
+    gap = pairs(window.tokens, window.hidden, window.count, np.asarray(LENS) - 1 + [1, 0])
+    out, state = _propose(params, head, state, gap, cfg)
+    np.testing.assert_array_equal(out.num_valid, [0, K])  # sequence 0 starts past key 4
+    np.testing.assert_array_equal(state.window_error, [int(drafter.WindowError.GAP), 0])
+    assert int(state.seq_len[0, 0]) == int(before.seq_len[0, 0])
+    with pytest.raises(kv.KVCacheError, match=r"sequence 0: Pairs\.start is past"):
+        drafter.raise_on_state_error(state)
+    # free clears the flag; the slot's next window must then start at key 0.
+    state = drafter.free(state, np.asarray([True, False]))
+    _, after = _propose(params, head, clone(state), window, cfg)  # sequence 0 at key 4
+    np.testing.assert_array_equal(after.window_error, [int(drafter.WindowError.NOT_FROM_START), 0])
+    np.testing.assert_array_equal(after.seq_len[0], [0, LENS[1] + K - 1])
+    fresh = pairs(window.tokens, window.hidden, window.count, [0, LENS[1] - 1])
+    out, state = _propose(params, head, state, fresh, cfg)
+    np.testing.assert_array_equal(out.num_valid, [K, K])
+    drafter.raise_on_state_error(state)

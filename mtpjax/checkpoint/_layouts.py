@@ -44,7 +44,7 @@ import jax
 from mtpjax.checkpoint._formats import companion_names
 from mtpjax.checkpoint._safetensors_io import CheckpointError, SafetensorsCheckpoint
 from mtpjax.config import Architecture, DrafterConfig, FfnKind
-from mtpjax.drafter.params import DrafterParams
+from mtpjax.drafter import DrafterParams
 from mtpjax.head import LMHeadParams
 from mtpjax.layers import AttentionParams, DenseFfnParams, MoeFfnParams
 from mtpjax.layers.decoder import DecoderLayerParams

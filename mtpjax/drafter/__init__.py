@@ -1,7 +1,7 @@
-"""The functional MTP drafter (Qwen3-Next / Qwen3.5 head): params, teacher-forced forward, the
-paged propose step, after-verify trimming and the attention-free prefill.
+"""The functional MTP drafter: params, teacher-forced forward, the paged propose step over one or
+more MTP modules, after-verify trimming and the attention-free prefill.
 
-    params = drafter.init(cfg, key=key, precision="bf16")
+    params = drafter.init(cfg, key=key, precision="bf16")     # or DrafterModules for N modules
     state = drafter.init_state(drafter.pool_config(cfg, precision="bf16", max_seq_len=4096,
                                                    max_seqs=B), num_seqs=B)
     state = drafter.prefill(params, head, state, prompt_pairs, cfg=cfg)
@@ -11,74 +11,59 @@ paged propose step, after-verify trimming and the attention-free prefill.
     out, state = drafter.propose(params, head, state, verify_pairs, cfg=cfg, num_drafts=k)
 """
 
-from mtpjax.drafter.after_verify import after_verify, free, rows_to_trim
-from mtpjax.drafter.forward import DrafterOutput, drafter_forward, kv_rows
-from mtpjax.drafter.multi_module import (
-    ModuleSchedule,
-    MultiDrafterParams,
-    MultiDrafterState,
-    after_verify_multi,
-    effective_num_drafts,
-    free_multi,
-    init_multi,
-    init_multi_state,
-    module_trims,
-    prefill_multi,
-    propose_multi,
-)
-from mtpjax.drafter.params import (
+from mtpjax.drafter._forward import DrafterOutput, drafter_forward, kv_rows
+from mtpjax.drafter._params import (
+    DrafterModules,
     DrafterParams,
+    ModuleSchedule,
+    check_prefill_support,
     check_runnable,
+    effective_num_drafts,
     init,
+    init_modules,
     pool_config,
     projection_formats,
     supports_prefill,
 )
-from mtpjax.drafter.prefill import check_prefill_support, prefill
-from mtpjax.drafter.propose import (
+from mtpjax.drafter._propose import (
     Pairs,
     ProposeOutput,
-    StepOutput,
-    draft_step,
     paged_attention,
+    prefill,
     propose,
     unpack_bitmask,
 )
-from mtpjax.kv import DrafterState, init_state
+from mtpjax.drafter._trim import after_verify, free, module_trims, rows_to_trim, rows_written
+from mtpjax.kv.state import DrafterState, WindowError, init_state, raise_on_state_error
 
 __all__ = [
+    "DrafterModules",
     "DrafterOutput",
     "DrafterParams",
     "DrafterState",
     "ModuleSchedule",
-    "MultiDrafterParams",
-    "MultiDrafterState",
     "Pairs",
     "ProposeOutput",
-    "StepOutput",
+    "WindowError",
     "after_verify",
-    "after_verify_multi",
     "check_prefill_support",
     "check_runnable",
-    "draft_step",
     "drafter_forward",
     "effective_num_drafts",
     "free",
-    "free_multi",
     "init",
-    "init_multi",
-    "init_multi_state",
+    "init_modules",
     "init_state",
     "kv_rows",
     "module_trims",
     "paged_attention",
     "pool_config",
     "prefill",
-    "prefill_multi",
     "projection_formats",
     "propose",
-    "propose_multi",
+    "raise_on_state_error",
     "rows_to_trim",
+    "rows_written",
     "supports_prefill",
     "unpack_bitmask",
 ]

@@ -24,7 +24,13 @@ from mtpjax.kv.pool import (
     read_rows,
     write_rows,
 )
-from mtpjax.kv.state import DrafterState, free_sequences, init_state
+from mtpjax.kv.state import (
+    DrafterState,
+    WindowError,
+    free_sequences,
+    init_state,
+    raise_on_state_error,
+)
 
 __all__ = [
     "BlockAllocator",
@@ -35,6 +41,7 @@ __all__ = [
     "KVPool",
     "PagedKVCache",
     "PoolConfig",
+    "WindowError",
     "allocate",
     "append",
     "block_ids",
@@ -48,6 +55,7 @@ __all__ = [
     "pool_num_blocks",
     "quantize_rows_fp8",
     "raise_on_error",
+    "raise_on_state_error",
     "read_rows",
     "release",
     "reserve",

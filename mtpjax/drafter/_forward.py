@@ -1,4 +1,4 @@
-"""The MTP drafter's math (DESIGN §4) and its teacher-forced forward over whole sequences.
+"""The MTP drafter's math and its teacher-forced forward over whole sequences.
 
 Row ``i`` of a sequence is computed from the pair ``(token_{i+1}, hidden_i)``: the token that
 followed position ``i`` and the target's hidden at position ``i``. Its RoPE position is ``i``
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.config import DrafterConfig, LMHeadConfig
-from mtpjax.drafter.params import DrafterParams, check_runnable
+from mtpjax.drafter._params import DrafterParams, check_runnable
 from mtpjax.head import LMHeadParams, embed, lm_head
 from mtpjax.layers.attention import project_kv
 from mtpjax.layers.decoder import decoder_layer, input_norm

@@ -1,0 +1,282 @@
+"""Weights of the drafter: one MTP module (``DrafterParams``), N modules with the static schedule
+that runs them (``DrafterModules``), their random initialisers and the drafter's KV pool rule.
+
+A module owns ``fc`` and its norms, one decoder layer and the final ``mtp.norm``; the embedding
+and the LM head are the target's, passed separately as ``mtpjax.head.LMHeadParams`` (a head with
+``mtp_use_dedicated_embeddings`` carries its own embedding table here).
+
+Shapes: ``H`` hidden, ``V`` vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mtpjax.config import DrafterConfig, FfnKind
+from mtpjax.kv import KVDtype, PoolConfig
+from mtpjax.layers.decoder import (
+    DecoderLayerParams,
+    build_decoder_layer,
+    init_norm,
+    init_projection,
+    with_normal_draws,
+)
+from mtpjax.weights import (
+    Precision,
+    Projection,
+    Weight,
+    WeightFormat,
+    parse_precision,
+    supports_drafter_prefill,
+)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "fc",
+        "pre_fc_norm_embedding",
+        "pre_fc_norm_hidden",
+        "layer",
+        "norm",
+        "embed_tokens",
+    ],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterParams:
+    """One MTP head (checkpoint names in brackets).
+
+    Attributes:
+      fc: [H, 2H] over ``concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]`` (mtp.fc).
+      pre_fc_norm_embedding: [H] (mtp.pre_fc_norm_embedding).
+      pre_fc_norm_hidden: [H] (mtp.pre_fc_norm_hidden).
+      layer: the decoder layer (mtp.layers.0.*).
+      norm: [H] final norm producing h_out (mtp.norm).
+      embed_tokens: bf16[V, H] dedicated MTP embedding, or None to use the target's
+        (``mtp_use_dedicated_embeddings``).
+    """
+
+    fc: Weight
+    pre_fc_norm_embedding: jax.Array
+    pre_fc_norm_hidden: jax.Array
+    layer: DecoderLayerParams
+    norm: jax.Array
+    embed_tokens: jax.Array | None = None
+
+
+def check_runnable(cfg: DrafterConfig) -> None:
+    """Raises ValueError when the drafter does not implement ``cfg`` (names the reason)."""
+    if not isinstance(cfg, DrafterConfig):
+        raise TypeError(f"cfg must be a DrafterConfig, got {type(cfg).__name__}")
+    if not cfg.runnable:
+        raise ValueError(f"cannot run a {cfg.architecture.value} drafter: {cfg.unsupported_reason}")
+
+
+def init(
+    cfg: DrafterConfig, *, key: jax.Array, precision: Precision | str = Precision.BF16
+) -> DrafterParams:
+    """Random head weights for ``cfg``, each projection stored per ``projection_format``.
+
+    Projections have std ``1/sqrt(fan_in)`` and read normed inputs, so activations stay O(1);
+    norm weights are small (zero-centred: ``1 + w`` near 1). ``precision`` is
+    ``nvfp4 | fp4 | fp8 | bf16`` (a dense head asked for NVFP4 keeps fc/k/v BF16). Runs as one
+    jitted program (weights are generated and quantised on device).
+    """
+    check_runnable(cfg)
+    return _init(cfg, key, parse_precision(precision))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init(cfg: DrafterConfig, key: jax.Array, precision: Precision) -> DrafterParams:
+    H = cfg.hidden_size
+
+    def build(draw) -> DrafterParams:
+        fc = init_projection(
+            draw, (H, 2 * H), Projection.FC, precision, dense_ffn=cfg.ffn is FfnKind.DENSE
+        )
+        pre_e, pre_h, norm = (init_norm(draw, H) for _ in range(3))
+        embed_tokens = None
+        if cfg.mtp_use_dedicated_embeddings:
+            embed_tokens = draw((cfg.vocab_size, H)).astype(jnp.bfloat16)
+        return DrafterParams(
+            fc=fc,
+            pre_fc_norm_embedding=pre_e,
+            pre_fc_norm_hidden=pre_h,
+            layer=build_decoder_layer(cfg, draw, precision),
+            norm=norm,
+            embed_tokens=embed_tokens,
+        )
+
+    return with_normal_draws(key, build)
+
+
+def projection_formats(params: DrafterParams) -> dict[str, WeightFormat]:
+    """Storage format of the head's attention and input projections, by checkpoint name."""
+    attn = params.layer.attention
+    return {
+        "fc": params.fc.format,
+        "q_proj": attn.q_proj.format,
+        "k_proj": attn.k_proj.format,
+        "v_proj": attn.v_proj.format,
+        "o_proj": attn.o_proj.format,
+    }
+
+
+def supports_prefill(params: DrafterParams) -> bool:
+    """True iff the drafter prefill can run on these weights (fc, k_proj, v_proj all BF16)."""
+    return supports_drafter_prefill(projection_formats(params))
+
+
+def check_prefill_support(params: DrafterParams) -> None:
+    """Raises ValueError naming the offending formats unless fc, k_proj and v_proj are BF16."""
+    formats = projection_formats(params)
+    if not supports_drafter_prefill(formats):
+        found = ", ".join(f"{n}={formats[n].value}" for n in ("fc", "k_proj", "v_proj"))
+        raise ValueError(
+            "the drafter prefill needs fc, k_proj and v_proj stored BF16; this head has "
+            f"{found}. Load the head at bf16 (or a dense head at nvfp4, which keeps them BF16), "
+            "or write the prompt's pairs through propose instead"
+        )
+
+
+class ModuleSchedule(enum.Enum):
+    """Which module runs draft step ``s`` of a round (N modules)."""
+
+    CLAMP = "clamp"  # module s; more drafts than modules are clamped to N (the seed engine)
+    CYCLE = "cycle"  # module s mod N (vLLM's rule); num_drafts must be a multiple of N
+
+
+def effective_num_drafts(num_modules: int, num_drafts: int, schedule: ModuleSchedule) -> int:
+    """K, the drafts a round produces: ``min(num_drafts, N)`` for CLAMP, ``num_drafts`` (a
+    multiple of N, else ValueError) for CYCLE. All static Python ints."""
+    if not isinstance(num_drafts, int) or isinstance(num_drafts, bool) or num_drafts < 1:
+        raise ValueError(
+            f"num_drafts must be an int >= 1, got {num_drafts!r}"
+        )  # a bool is no count
+    if schedule is ModuleSchedule.CLAMP:
+        return min(num_drafts, num_modules)
+    if num_drafts % num_modules:
+        raise ValueError(
+            f"the CYCLE schedule runs module s mod N, so num_drafts must be a multiple of "
+            f"N={num_modules} modules (got {num_drafts}); ask for "
+            f"{num_modules * max(num_drafts // num_modules, 1)} or use ModuleSchedule.CLAMP"
+        )
+    return num_drafts
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["modules"], meta_fields=["schedule"]
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterModules:
+    """The weights of N MTP modules and the (static) schedule that runs them.
+
+    Attributes:
+      modules: one ``DrafterParams`` per module, in step order (non-empty; a list is taken as a
+        tuple). All share one ``DrafterConfig``.
+      schedule: static ``ModuleSchedule`` (part of the pytree structure, like a config).
+
+    The steps take a bare ``DrafterParams`` too: it is the one-module drafter under CYCLE (the
+    single head chains itself for every draft).
+    """
+
+    modules: tuple[DrafterParams, ...]
+    schedule: ModuleSchedule = ModuleSchedule.CLAMP
+
+    def __post_init__(self) -> None:
+        # Pytree prefixes (sharding specs, vmap axes) hold other leaves: types are checked later.
+        if isinstance(self.modules, list):
+            object.__setattr__(self, "modules", tuple(self.modules))
+        if isinstance(self.modules, tuple) and not self.modules:
+            raise ValueError(
+                "DrafterModules needs at least one module (got 0); a checkpoint without MTP "
+                "weights cannot make a drafter"
+            )
+        if not isinstance(self.schedule, ModuleSchedule):
+            raise TypeError(f"schedule must be a ModuleSchedule, got {self.schedule!r}")
+
+    @property
+    def num_modules(self) -> int:
+        return len(self.modules)
+
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint, *, schedule: ModuleSchedule = ModuleSchedule.CLAMP
+    ) -> DrafterModules:
+        """The modules of a loaded ``DrafterCheckpoint`` (its ``head`` is passed separately)."""
+        return cls(modules=tuple(checkpoint.modules), schedule=schedule)
+
+
+def as_modules(params: DrafterParams | DrafterModules, cfg: DrafterConfig) -> DrafterModules:
+    """The steps' input as ``DrafterModules`` (a bare ``DrafterParams`` is one CYCLE module),
+    checked against ``cfg``: an explicit module tuple must hold ``cfg.num_mtp_modules``."""
+    check_runnable(cfg)
+    if isinstance(params, DrafterParams):
+        return DrafterModules(modules=(params,), schedule=ModuleSchedule.CYCLE)
+    if not isinstance(params, DrafterModules):
+        raise TypeError(
+            f"params must be DrafterParams or DrafterModules, got {type(params).__name__}"
+        )
+    for i, module in enumerate(params.modules):
+        if not isinstance(module, DrafterParams):
+            raise TypeError(f"module {i} must be DrafterParams, got {type(module).__name__}")
+    if params.num_modules != cfg.num_mtp_modules:
+        raise ValueError(
+            f"DrafterModules holds {params.num_modules} modules but cfg.num_mtp_modules="
+            f"{cfg.num_mtp_modules}; pass dataclasses.replace(cfg, num_mtp_modules="
+            f"{params.num_modules}) to run a subset of a checkpoint's modules"
+        )
+    return params
+
+
+def init_modules(
+    cfg: DrafterConfig,
+    *,
+    key: jax.Array,
+    precision: Precision | str = Precision.BF16,
+    schedule: ModuleSchedule = ModuleSchedule.CLAMP,
+) -> DrafterModules:
+    """Random weights for ``cfg.num_mtp_modules`` independent modules (one key split each),
+    each as ``init`` makes them."""
+    check_runnable(cfg)
+    keys = jax.random.split(key, cfg.num_mtp_modules)
+    # A module's weights do not depend on the module count: share the single head's program.
+    module_cfg = dataclasses.replace(cfg, num_mtp_modules=1)
+    return DrafterModules(
+        modules=tuple(init(module_cfg, key=k, precision=precision) for k in keys),
+        schedule=schedule,
+    )
+
+
+def pool_config(
+    cfg: DrafterConfig,
+    *,
+    precision: Precision | str,
+    max_seq_len: int,
+    max_seqs: int,
+    block_size: int = 16,
+    main_kv_blocks: int | None = None,
+    kv_dtype: KVDtype | None = None,
+) -> PoolConfig:
+    """The drafter's paged KV pool: BF16 rows for BF16/FP8 heads, FP8 for NVFP4 heads.
+
+    Sized by the pool rule (``PoolConfig.for_sequences``); ``kv_dtype`` overrides the default.
+    """
+    if kv_dtype is None:
+        nvfp4 = parse_precision(precision) is Precision.NVFP4
+        kv_dtype = KVDtype.FP8 if nvfp4 else KVDtype.BF16
+    return PoolConfig.for_sequences(
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        max_seq_len=max_seq_len,
+        max_seqs=max_seqs,
+        block_size=block_size,
+        kv_dtype=kv_dtype,
+        main_kv_blocks=main_kv_blocks,
+    )
