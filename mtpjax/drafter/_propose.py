@@ -61,6 +61,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
 from mtpjax.drafter._forward import DrafterOutput, output_head, pair_rows, resolve_head_cfg
 from mtpjax.drafter._params import (
@@ -73,12 +74,11 @@ from mtpjax.drafter._params import (
 )
 from mtpjax.drafter._trim import _check_state, trim_round
 from mtpjax.head import LMHeadParams
-from mtpjax.kv import PagedKVCache, WindowError, append, gather
+from mtpjax.kv import PagedKVCache, WindowError, append
 from mtpjax.kv.state import DrafterState, drop_newest, newest_key, put_rows, rows_past
-from mtpjax.layers.attention import attend, output_projection, project_q
+from mtpjax.layers.attention import output_projection, project_q
 from mtpjax.layers.decoder import ffn_residual
 from pallas_kernels.implementation import Implementation
-from pallas_kernels.paged_attention import paged_attention as paged_attention_kernel
 
 DEFAULT_CHUNK = 256
 
@@ -144,50 +144,28 @@ class ProposeOutput:
 # The paged decode attention and one paged row.
 
 
-def _kernel_supports(cache: PagedKVCache) -> str | None:
-    """Why the Pallas paged-attention kernel cannot read this cache, or None when it can."""
-    D, S = cache.pool.k.shape[-1], cache.pool.block_size
-    if D < 16 or D & (D - 1) or S & (S - 1):
-        return f"the kernel needs a power-of-two head_dim >= 16 and block_size (got {D}, {S})"
-    return None
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
-
-
 def paged_attention(
     q: jax.Array, cache: PagedKVCache, *, implementation=Implementation.AUTO
 ) -> jax.Array:
     """One query row per sequence over its paged context: q [B, Nq, D] -> f32[B, Nq, D].
 
-    Sequence b attends to its rows ``0 .. seq_len[b]-1`` (dequantised), GQA as in ``attend``.
-    XLA: gather + ``attend``; PALLAS: the paged-attention kernel (interpret mode off-GPU;
-    NotImplementedError when it cannot read the cache); AUTO: the kernel on a GPU when it can.
-    The drafter's only attention call.
+    Sequence b attends to its rows ``0 .. seq_len[b]-1`` (dequantised), GQA as in ``attend``,
+    through ``pallas_kernels.paged_attention`` (its reference on XLA, the Triton kernel where it
+    reads the pool). The drafter's only attention call.
     """
-    impl = Implementation.parse(implementation)
     chex.assert_rank(q, 3)
-    unsupported = _kernel_supports(cache)
-    if impl is Implementation.PALLAS and unsupported is not None:
-        raise NotImplementedError(f"no Pallas paged attention for this cache: {unsupported}")
-    use_kernel = impl is Implementation.PALLAS or (
-        impl is Implementation.AUTO and _on_gpu() and unsupported is None
+    pool = cache.pool
+    return pallas_kernels.paged_attention(
+        q,
+        pool.k,
+        pool.v,
+        cache.block_table,
+        cache.seq_len,
+        scale=q.shape[-1] ** -0.5,
+        k_scale=pool.k_scale,  # FP8 pools: per (row, head); None for BF16
+        v_scale=pool.v_scale,
+        implementation=implementation,
     )
-    if use_kernel:
-        return paged_attention_kernel(
-            q,
-            cache.pool.k,
-            cache.pool.v,
-            jnp.maximum(cache.block_table, 0),  # unheld slots lie past seq_len: never read
-            cache.seq_len,
-            scale=q.shape[-1] ** -0.5,
-            k_scale=cache.pool.k_scale,  # FP8 pools: per (row, head); None for BF16
-            v_scale=cache.pool.v_scale,
-            interpret=not _on_gpu(),
-        )
-    k, v, valid = gather(cache, cache.max_rows_per_seq)  # [B, L, Nkv, D], [B, L]
-    return attend(q[:, None], k, v, valid[:, None, :])[:, 0]
 
 
 def _decode_row(module, head, cache, x, a, positions, *, cfg, head_cfg, implementation):
