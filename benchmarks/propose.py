@@ -220,7 +220,7 @@ def filled_state(key, first_seq=0, *, pool_cfg, num_seqs: int, context: int) -> 
     sequence)``: a batch split in halves (``first_seq`` = 0 and B/2) holds the same rows.
     """
     state = drafter.init_state(pool_cfg, num_seqs=num_seqs)
-    cache, _ = reserve(state.kv, jnp.full((num_seqs,), context, jnp.int32))
+    cache, _ = reserve(state.kv[0], jnp.full((num_seqs,), context, jnp.int32))
     shape = (context, pool_cfg.num_kv_heads, pool_cfg.head_dim)
 
     def rows(seq):
@@ -233,11 +233,10 @@ def filled_state(key, first_seq=0, *, pool_cfg, num_seqs: int, context: int) -> 
     rows_ = (k.reshape(-1, *shape[1:]), v.reshape(-1, *shape[1:]))
     pool = write_rows(cache.pool, block.reshape(-1), slot.reshape(-1), *rows_)
     cache = dataclasses.replace(cache, pool=pool, seq_len=jnp.full((num_seqs,), context, jnp.int32))
-    return DrafterState(
-        kv=cache,
-        last_pair_key=jnp.full((num_seqs,), context - 1, jnp.int32),
-        last_num_drafted=jnp.zeros((num_seqs,), jnp.int32),
-    )
+    keys = jnp.arange(cache.max_rows_per_seq, dtype=jnp.int32)
+    keys = jnp.broadcast_to(jnp.where(keys < context, keys, -1), (num_seqs, keys.shape[0]))
+    # Held tokens are 0, as is the anchor token of make_pairs: the anchor row is held, not redone.
+    return dataclasses.replace(state, kv=(cache,), row_keys=(keys,))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "k", "batch", "context"))
@@ -245,8 +244,9 @@ def make_pairs(key, cfg: DrafterConfig, *, k: int, batch: int, context: int) -> 
     """A verify-wide window (K+1 pairs) whose one valid pair is the anchor at ``context - 1``."""
     kt, kh = jax.random.split(key)
     T = k + 1
+    tokens = jax.random.randint(kt, (batch, T), 0, cfg.vocab_size, jnp.int32)
     return drafter.Pairs(
-        tokens=jax.random.randint(kt, (batch, T), 0, cfg.vocab_size, jnp.int32),
+        tokens=tokens.at[:, 0].set(0),  # the token filled_state holds at the anchor's key
         hidden=jax.random.normal(kh, (batch, T, cfg.hidden_size), jnp.bfloat16),
         count=jnp.ones((batch,), jnp.int32),
         start=jnp.full((batch,), context - 1, jnp.int32),
@@ -299,7 +299,7 @@ def memory_analysis(compiled) -> dict | None:
 def pool_bytes(pool_cfg, num_seqs: int) -> int:
     """Bytes of the KV pool of a ``num_seqs``-sequence state."""
     return _leaf_bytes(
-        jax.eval_shape(lambda: drafter.init_state(pool_cfg, num_seqs=num_seqs)).kv.pool
+        jax.eval_shape(lambda: drafter.init_state(pool_cfg, num_seqs=num_seqs)).kv[0].pool
     )
 
 
@@ -675,7 +675,7 @@ class Bench:
         pairs = self.seeded_pairs(cfg, k, b)
         state = self.seeded_state(pool_cfgs[(b, 10)], b)
         res = self.rounds(job.compiled, None, params, head, state, pairs, None)
-        big, small = _leaf_bytes(job.args[2].kv.pool), pool_bytes(pool_cfgs[(b, 1)], b)
+        big, small = _leaf_bytes(job.args[2].kv[0].pool), pool_bytes(pool_cfgs[(b, 1)], b)
         rec.update(pool_bytes=big, pool_1x_bytes=small)
         # The compiler's own account: a pool-sized copy or conversion shows up as temporaries
         # that grow with the pool.
@@ -723,7 +723,7 @@ class Bench:
             rec = dict(kind="torch", **base, k=k, batch=b, torch_dtype="bfloat16", device=dev)
             try:
                 state, pairs = self.seeded_state(pool_cfgs[(b, 1)], b), self.seeded_pairs(cfg, k, b)
-                kk, vv = jax.block_until_ready(held_rows(state.kv, a.context))
+                kk, vv = jax.block_until_ready(held_rows(state.kv[0], a.context))
                 del state
                 kc, vc = ref.kv_cache_from_rows(
                     ref.to_torch(kk, torch.float32).to(dev),
@@ -936,7 +936,7 @@ def time_rounds(
         tokens = out if sharded else out.tokens
     tokens = np.asarray(tokens)
     k = tokens.shape[-1]
-    seq_len, errors = np.asarray(state.kv.seq_len), np.asarray(state.kv.error)
+    seq_len, errors = np.asarray(state.kv[0].seq_len), np.asarray(state.error)
     # Without a verify the last call's K - 1 chain rows are still held (the next propose would
     # drop them itself).
     held = context if verify_c is not None else context + k - 1
