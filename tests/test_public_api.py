@@ -11,35 +11,19 @@ import types
 import pytest
 
 import mtpjax
-
-# Submodules that a package `__init__` outside verify / generation / reference / config still
-# shadows with a function of the same name. Strict: once its package is curated, the case
-# passes, fails as XPASS, and its entry goes.
-_SHADOWED = {
-    "mtpjax.checkpoint.convert",
-    "mtpjax.drafter.after_verify",
-    "mtpjax.drafter.prefill",
-    "mtpjax.drafter.propose",
-    "mtpjax.head.lm_head",
-    "mtpjax.weights.linear",
-    "mtpjax.weights.quantize",
-}
+import pallas_kernels
 
 
 def _modules(*, public: bool) -> list[str]:
-    names = ["mtpjax"]
-    for info in pkgutil.walk_packages(mtpjax.__path__, "mtpjax."):
-        if not public or not any(part.startswith("_") for part in info.name.split(".")):
-            names.append(info.name)
+    names = ["mtpjax", "pallas_kernels"]
+    for package in (mtpjax, pallas_kernels):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if not public or not any(part.startswith("_") for part in info.name.split(".")):
+                names.append(info.name)
     return names
 
 
-def _case(name: str, shadowed: bool):
-    marks = [pytest.mark.xfail(strict=True, reason="shadowed by its package")] if shadowed else []
-    return pytest.param(name, marks=marks, id=name)
-
-
-@pytest.mark.parametrize("name", [_case(name, name in _SHADOWED) for name in _modules(public=True)])
+@pytest.mark.parametrize("name", _modules(public=True))
 def test_import_as_gives_the_module(name):
     module = importlib.import_module(name)
     namespace: dict = {}
@@ -53,10 +37,7 @@ _PACKAGES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "name",
-    [_case(name, any(s.rpartition(".")[0] == name for s in _SHADOWED)) for name in _PACKAGES],
-)
+@pytest.mark.parametrize("name", _PACKAGES)
 def test_no_package_attribute_shadows_a_submodule(name):
     package = importlib.import_module(name)
     for info in pkgutil.iter_modules(package.__path__):

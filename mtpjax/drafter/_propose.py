@@ -114,7 +114,7 @@ class Pairs:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "probs", "confidence", "num_valid", "hidden", "logits"],
+    data_fields=["tokens", "probs", "confidence", "num_valid", "hidden", "logits", "active"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,6 +130,8 @@ class ProposeOutput:
       hidden: f32[B, K, H] what step s handed to the row of step s + 1 under the contract (the
         row at key ``e + s + 1`` holds ``(raw argmax of step s, hidden[:, s])``).
       logits: f32[B, K, V'] the draft logits (masked), only when ``return_logits``; else None.
+      active: bool[B] the sequences the propose ran (``verify`` emits tokens for these only);
+        None on drafts built by hand, which then count as all active.
     """
 
     tokens: jax.Array
@@ -138,6 +140,7 @@ class ProposeOutput:
     num_valid: jax.Array
     hidden: jax.Array
     logits: jax.Array | None = None
+    active: jax.Array | None = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -338,6 +341,7 @@ def _finish(tokens, probs, oks, hidden, logits, active, threshold) -> ProposeOut
         num_valid=num_valid,
         hidden=jnp.where(active[:, None, None], hidden, 0.0),
         logits=logits,
+        active=active,
     )
 
 

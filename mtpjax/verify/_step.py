@@ -79,11 +79,9 @@ def verify(
       refeed: bool or bool[B], traced; rebuild accepted chain rows from the target's hidden
         (see `after_verify`).
       metrics: running metrics to update; a fresh counter when None.
-      active: bool[B] sequences taking part. Default: the sequences `propose` ran, read from
-        the drafts: `propose` zeroes the `probs` and `hidden` of a sequence it did not run, while
-        a sequence it ran has a non-zero hidden and a top-1 probability >= 1/V' at every step
-        its grammar mask allows a token. So a sequence that ran with zero valid drafts still
-        gets the target's token. Pass `active` when the drafts are not `propose`'s own.
+      active: bool[B] sequences taking part. Default: `drafts.active`, the sequences `propose`
+        ran (a sequence that ran with zero valid drafts still gets the target's token); every
+        sequence for drafts built by hand without it.
       implementation: `Implementation` (or its name, any case) of the LM head.
 
     Returns:
@@ -124,7 +122,7 @@ def _verify(
     B, K = drafts.tokens.shape
     chex.assert_shape(target_hidden, (B, K + 1, cfg.hidden_size))
     if active is None:
-        active = jnp.any(drafts.probs > 0, axis=1) | jnp.any(drafts.hidden != 0, axis=(1, 2))
+        active = jnp.ones((B,), bool) if drafts.active is None else drafts.active
     num_valid = jnp.where(active, drafts.num_valid, 0)
     logits = lm_head(
         head, target_hidden.reshape(B * (K + 1), -1), cfg=cfg, implementation=implementation
