@@ -100,24 +100,18 @@ def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
     """The leaves every module of a checkpoint shares (names relative to ``mtp.``), in the
     initialiser's draw order; a module's own layer is ``layer_leaves(cfg)``."""
     H = cfg.hidden_size
+    fc_what = "[hidden_size, 2 * hidden_size]"
     fc = Leaf(
-        name="fc",
-        shape=(H, 2 * H),
-        what="[hidden_size, 2 * hidden_size]",
-        axes=("embed", "fc_in"),
-        role=Projection.FC,
+        name="fc", shape=(H, 2 * H), what=fc_what, axes=("embed", "fc_in"), role=Projection.FC
     )
     norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
     leaves = [fc, *(Leaf(name=n, shape=(H,), what="[hidden_size]", axes=("embed",)) for n in norms)]
     if cfg.mtp_use_dedicated_embeddings:
         what = "[vocab_size, hidden_size] (mtp_use_dedicated_embeddings)"
+        axes = ("vocab_in", "embed")
         leaves.append(
             Leaf(
-                name="embed_tokens",
-                shape=(cfg.vocab_size, H),
-                what=what,
-                axes=("vocab_in", "embed"),
-                embedding=True,
+                name="embed_tokens", shape=(cfg.vocab_size, H), what=what, axes=axes, embedding=True
             )
         )
     return tuple(leaves)

@@ -57,99 +57,48 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
     the random initialiser's draw order."""
     H, D, P = cfg.hidden_size, cfg.head_dim, Projection
     q_width = "num_attention_heads * head_dim" + (" * 2" if cfg.attn_output_gate else "")
-    kv = "num_key_value_heads * head_dim"
-    o_what = "[hidden_size, num_attention_heads * head_dim]"
-    leaves = [
-        Leaf(
-            name="self_attn.q_proj",
-            shape=(cfg.q_proj_width, H),
-            what=f"[{q_width}, hidden_size]",
-            axes=("heads", "embed"),
-            role=P.Q_PROJ,
-        ),
-        *(
-            Leaf(
-                name=f"self_attn.{p}",
-                shape=(cfg.kv_width, H),
-                what=f"[{kv}, hidden_size]",
-                axes=("kv_heads", "embed"),
-                role=role,
-            )
-            for p, role in (("k_proj", P.K_PROJ), ("v_proj", P.V_PROJ))
-        ),
-        Leaf(
-            name="self_attn.o_proj",
-            shape=(H, cfg.num_attention_heads * D),
-            what=o_what,
-            axes=("embed", "heads"),
-            role=P.O_PROJ,
-        ),
+    kv, o = "num_key_value_heads * head_dim", "num_attention_heads * head_dim"
+    q, kv_, o_ = ("heads", "embed"), ("kv_heads", "embed"), ("embed", "heads")
+    rows = [
+        ("self_attn.q_proj", (cfg.q_proj_width, H), f"[{q_width}, hidden_size]", q, P.Q_PROJ),
+        ("self_attn.k_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", kv_, P.K_PROJ),
+        ("self_attn.v_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", kv_, P.V_PROJ),
+        ("self_attn.o_proj", (H, cfg.num_attention_heads * D), f"[hidden_size, {o}]", o_, P.O_PROJ),
     ]
     if cfg.qk_norm:
-        leaves += [
-            Leaf(name=f"self_attn.{n}", shape=(D,), what="[head_dim]", axes=("head_dim",))
-            for n in ("q_norm", "k_norm")
-        ]
+        norms = ("self_attn.q_norm", "self_attn.k_norm")
+        rows += [(n, (D,), "[head_dim]", ("head_dim",), None) for n in norms]
     if cfg.ffn is FfnKind.DENSE:
-        leaves += _ffn_leaves("mlp", (), "", cfg.intermediate_size, "intermediate_size", H, None)
+        roles = (P.GATE_PROJ, P.UP_PROJ, P.DOWN_PROJ)
+        rows += _ffn_rows("mlp", (), cfg.intermediate_size, "intermediate_size", H, roles)
     else:
-        moe = cfg.moe
-        E = moe.num_experts
-        leaves.append(
-            Leaf(
-                name="mlp.gate",
-                shape=(E, H),
-                what="[num_experts, hidden_size]",
-                axes=("experts", "embed"),
-                role=P.ROUTER,
-            )
+        moe, E = cfg.moe, cfg.moe.num_experts
+        rows.append(
+            ("mlp.gate", (E, H), "[num_experts, hidden_size]", ("experts", "embed"), P.ROUTER)
         )
         I, i = moe.moe_intermediate_size, "moe_intermediate_size"
-        leaves += _ffn_leaves("mlp.experts", (E,), "num_experts, ", I, i, H, P.EXPERTS)
+        rows += _ffn_rows("mlp.experts", (E,), I, i, H, (P.EXPERTS,) * 3)
         if moe.has_shared_expert:
             S, s = moe.shared_expert_intermediate_size, "shared_expert_intermediate_size"
-            leaves += _ffn_leaves("mlp.shared_expert", (), "", S, s, H, P.SHARED_EXPERT)
+            rows += _ffn_rows("mlp.shared_expert", (), S, s, H, (P.SHARED_EXPERT,) * 3)
             if moe.shared_expert_gate:
-                leaves.append(
-                    Leaf(
-                        name="mlp.shared_expert_gate",
-                        shape=(1, H),
-                        what="[1, hidden_size]",
-                        axes=(None, "embed"),
-                        role=P.SHARED_EXPERT_GATE,
-                    )
-                )
+                gate = (None, "embed"), P.SHARED_EXPERT_GATE
+                rows.append(("mlp.shared_expert_gate", (1, H), "[1, hidden_size]", *gate))
     norms = ("input_layernorm", "post_attention_layernorm")
-    return (
-        *leaves,
-        *(Leaf(name=n, shape=(H,), what="[hidden_size]", axes=("embed",)) for n in norms),
+    rows += [(n, (H,), "[hidden_size]", ("embed",), None) for n in norms]
+    return tuple(
+        Leaf(name=name, shape=shape, what=what, axes=axes, role=role)
+        for name, shape, what, axes, role in rows
     )
 
 
-def _ffn_leaves(base, lead, lead_what, width, width_what, H, role) -> list[Leaf]:
-    """gate/up ``[*lead, I, H]``, down ``[*lead, H, I]``; ``role=None``: the dense FFN roles."""
-    lead_axes = ("experts",) * len(lead)
-    in_what, out_what = (
-        f"[{lead_what}{width_what}, hidden_size]",
-        f"[{lead_what}hidden_size, {width_what}]",
-    )
-    P = Projection
-    return [
-        Leaf(
-            name=f"{base}.{proj}",
-            shape=(*lead, width, H) if proj != "down_proj" else (*lead, H, width),
-            what=in_what if proj != "down_proj" else out_what,
-            axes=(*lead_axes, "mlp", "embed")
-            if proj != "down_proj"
-            else (*lead_axes, "embed", "mlp"),
-            role=dense_role if role is None else role,
-        )
-        for proj, dense_role in (
-            ("gate_proj", P.GATE_PROJ),
-            ("up_proj", P.UP_PROJ),
-            ("down_proj", P.DOWN_PROJ),
-        )
-    ]
+def _ffn_rows(base, lead, width, width_what, H, roles) -> list[tuple]:
+    """gate/up ``[*lead, I, H]``, down ``[*lead, H, I]`` (``lead`` = ``(E,)`` for experts)."""
+    e, n = ("experts",) * len(lead), "num_experts, " * len(lead)
+    up = ((*lead, width, H), f"[{n}{width_what}, hidden_size]", (*e, "mlp", "embed"))
+    down = ((*lead, H, width), f"[{n}hidden_size, {width_what}]", (*e, "embed", "mlp"))
+    names = (f"{base}.gate_proj", f"{base}.up_proj", f"{base}.down_proj")
+    return [(name, *spec, role) for name, spec, role in zip(names, (up, up, down), roles)]
 
 
 def _ffn(named: Mapping[str, Any], base: str) -> DenseFfnParams:
