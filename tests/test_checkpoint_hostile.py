@@ -331,6 +331,23 @@ def test_missing_manifest_fields_and_records_are_named(tmp_path, converted):
         load_drafter(out)
 
 
+def test_a_record_that_disagrees_with_the_config_is_named(tmp_path, converted):
+    out = copy(converted, tmp_path, "out")
+    file = out / "manifest.json"
+    manifest = json.loads(file.read_text())
+    record = next(t for t in manifest["tensors"] if t["name"] == "mtp.norm")
+    (leaf,) = record["leaves"].values()
+    size = leaf["shape"][0]
+    leaf["shape"] = [size + 1]
+    file.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as err:
+        load_drafter(out)
+    assert one_line(err) == (
+        f"{file}: tensor 'mtp.norm' is recorded as [{size + 1}], but config.json gives [{size}] "
+        "[hidden_size]; convert the checkpoint again"
+    )
+
+
 def test_sharding_of_the_wrong_type_is_a_clear_type_error(converted):
     with pytest.raises(TypeError, match=r"sharding must be a jax\.sharding\.Sharding.*got str"):
         load_drafter(converted, sharding="cpu")

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import reference_numpy as ref
 from drafter_helpers import make, make_head, np_tree, numpy_weights, random_pairs, tiny_cfg
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from mtpjax import drafter
 from mtpjax.config import Architecture, FfnKind
@@ -146,6 +148,45 @@ def test_init_formats_and_prefill_support(ffn, precision, formats, prefill):
         assert ffn_params.router.format is BF  # the router is always BF16
         assert ffn_params.experts.gate_proj.shape == (4, 32, cfg.hidden_size)
         assert ffn_params.shared_expert_gate.shape == (1, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("ffn", [FfnKind.DENSE, FfnKind.MOE])
+def test_the_description_names_every_leaf_at_its_shape(ffn):
+    # init, the converter's plan and the loader's checks all read module_leaves: it must name
+    # every leaf the params hold, at the logical shape init gives it.
+    cfg = tiny_cfg(ffn, mtp_use_dedicated_embeddings=True)
+    params = drafter.init(cfg, key=jax.random.PRNGKey(0), precision="nvfp4")
+    described = dict(drafter.module_leaves(cfg, 0))
+    named = {n: jax.ShapeDtypeStruct(leaf.shape, np.float32) for n, leaf in described.items()}
+    shapes = jax.tree.map(lambda a: a.shape, drafter.from_named(named, cfg))
+    want = jax.tree.map(lambda w: tuple(w.shape), params, is_leaf=lambda x: hasattr(x, "format"))
+    assert shapes == want
+    assert len(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))) == len(described)
+
+
+def test_partition_specs_place_the_drafter_on_a_mesh():
+    cfg = tiny_cfg(FfnKind.MOE)
+    params, head = make(cfg, "nvfp4")
+    mesh = jax.make_mesh(
+        (2, 2), ("ep", "tp"), devices=jax.devices()[:4], axis_types=(AxisType.Auto,) * 2
+    )
+    rules = {"heads": "tp", "kv_heads": "tp", "mlp": "tp", "experts": "ep"}
+    specs = drafter.partition_specs(params, cfg, rules)
+    attn, experts = specs.layer.attention, specs.layer.ffn.experts
+    assert attn.q_proj.packed == P("tp", None) and attn.q_proj.scale_2 == P()
+    assert attn.o_proj.packed == P(None, "tp") and specs.fc.packed == P(None, None)
+    assert experts.down_proj.packed == P("ep", None, "tp")
+    assert experts.down_proj.scale_2 == P("ep") and specs.norm == P(None)
+    # The NVFP4 scales of a 48-wide down_proj (3 blocks of 16) cannot split K in two: place BF16.
+    params, head = make(cfg, "bf16")
+    specs = drafter.partition_specs(params, cfg, rules)
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    assert placed.layer.attention.k_proj.w.sharding.spec == P("tp", None)
+    tokens, hidden = random_pairs(np.random.default_rng(3), (2, 5))
+    want = drafter.drafter_forward(params, head, tokens, hidden, cfg=cfg)
+    got = drafter.drafter_forward(placed, head, tokens, hidden, cfg=cfg)
+    _close(got.h_out, want.h_out)
+    _close(got.logits, want.logits)
 
 
 def test_init_keeps_activations_order_one():

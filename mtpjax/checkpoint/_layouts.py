@@ -43,11 +43,10 @@ import jax
 
 from mtpjax.checkpoint._formats import companion_names
 from mtpjax.checkpoint._safetensors_io import CheckpointError, SafetensorsCheckpoint
-from mtpjax.config import Architecture, DrafterConfig, FfnKind
-from mtpjax.drafter import DrafterParams
+from mtpjax.config import Architecture, DrafterConfig
+from mtpjax.drafter import DrafterParams, from_named, module_leaves
 from mtpjax.head import LMHeadParams
-from mtpjax.layers import AttentionParams, DenseFfnParams, MoeFfnParams
-from mtpjax.layers.decoder import DecoderLayerParams
+from mtpjax.layers import Leaf
 from mtpjax.weights import Projection, parse_projection
 
 __all__ = [
@@ -234,165 +233,60 @@ def _head_entries(cfg: DrafterConfig, names: set[str], source: str) -> tuple[lis
 # Qwen3-Next / Qwen3.5 / Qwen3.6.
 
 
-def _weight(base: str, shape: tuple[int, ...], what: str, role: Projection, **kw: Any) -> Entry:
+def _described(name: str, leaf: Leaf, **kw: Any) -> Entry:
+    """The entry of a described leaf stored under ``name``."""
+    kind = EntryKind.ARRAY if leaf.role is None else EntryKind.WEIGHT
     return Entry(
-        name=base,
-        kind=EntryKind.WEIGHT,
-        sources=(base + ".weight",),
-        shape=shape,
-        what=what,
-        role=role,
+        name=name,
+        kind=EntryKind.EMBEDDING if leaf.embedding else kind,
+        sources=kw.pop("sources", (name + ".weight",)),
+        shape=leaf.shape,
+        what=leaf.what,
+        role=leaf.role,
         **kw,
     )
 
 
-def _vector(base: str, size: int, what: str) -> Entry:
-    return Entry(
-        name=base, kind=EntryKind.ARRAY, sources=(base + ".weight",), shape=(size,), what=what
-    )
-
-
-def _qwen_experts(cfg: DrafterConfig, names: set[str], L: str) -> tuple[list[Entry], bool]:
-    moe = cfg.moe
-    E, I, H = moe.num_experts, moe.moe_intermediate_size, cfg.hidden_size
-    base = f"{L}.mlp.experts"
-    shapes = {
-        "gate_proj": ((E, I, H), "[num_experts, moe_intermediate_size, hidden_size]"),
-        "up_proj": ((E, I, H), "[num_experts, moe_intermediate_size, hidden_size]"),
-        "down_proj": ((E, H, I), "[num_experts, hidden_size, moe_intermediate_size]"),
-    }
-    packed = next(
-        (n for n in (f"{base}.gate_up_proj", f"{base}.gate_up_proj.weight") if n in names), None
-    )
-    if packed is not None:
-        down = packed.replace("gate_up_proj", "down_proj")
-        entries = [
-            Entry(
-                name=f"{base}.{proj}",
-                kind=EntryKind.WEIGHT,
-                sources=(packed,),
-                shape=shapes[proj][0],
-                what=shapes[proj][1],
-                role=Projection.EXPERTS,
-                assembly=assembly,
-            )
-            for proj, assembly in (
-                ("gate_proj", Assembly.PACKED_GATE),
-                ("up_proj", Assembly.PACKED_UP),
-            )
-        ]
-        entries.append(
-            Entry(
-                name=f"{base}.down_proj",
-                kind=EntryKind.WEIGHT,
-                sources=(down,),
-                shape=shapes["down_proj"][0],
-                what=shapes["down_proj"][1],
-                role=Projection.EXPERTS,
-                assembly=Assembly.PACKED,
-            )
+def _qwen_module(cfg: DrafterConfig, names: set[str], index: int, shared: bool) -> list[Entry]:
+    """Module ``index``'s entries from its description (with the shared ``mtp.*`` leaves when
+    ``shared``); routed experts are stacked per expert or taken from a packed
+    ``gate_up_proj [E, 2I, H]`` (gate rows first) / ``down_proj [E, H, I]``."""
+    entries = []
+    for name, leaf in module_leaves(cfg, index):
+        if not name.startswith("mtp.layers.") and not shared:
+            continue
+        base, _, proj = name.rpartition(".")
+        if not base.endswith(".mlp.experts"):
+            entries.append(_described(name, leaf))
+            continue
+        packed = next(
+            (n for n in (f"{base}.gate_up_proj", f"{base}.gate_up_proj.weight") if n in names), None
         )
-        return entries, True
-    return [
-        Entry(
-            name=f"{base}.{proj}",
-            kind=EntryKind.WEIGHT,
-            sources=tuple(f"{base}.{e}.{proj}.weight" for e in range(E)),
-            shape=shape,
-            what=what,
-            role=Projection.EXPERTS,
-            assembly=Assembly.STACK,
-        )
-        for proj, (shape, what) in shapes.items()
-    ], False
-
-
-def _qwen_layer(cfg: DrafterConfig, L: str) -> list[Entry]:
-    """Layer ``L = mtp.layers.{i}`` without its routed experts: every leaf described once as
-    (name, shape, how the shape follows from config.json, projection role or None for a norm)."""
-    H, D, P = cfg.hidden_size, cfg.head_dim, Projection
-    q_width = "num_attention_heads * head_dim" + (" * 2" if cfg.attn_output_gate else "")
-    kv = "num_key_value_heads * head_dim"
-    specs: list[tuple[str, tuple[int, ...], str, Projection | None]] = [
-        ("input_layernorm", (H,), "[hidden_size]", None),
-        ("post_attention_layernorm", (H,), "[hidden_size]", None),
-        ("self_attn.q_proj", (cfg.q_proj_width, H), f"[{q_width}, hidden_size]", P.Q_PROJ),
-        ("self_attn.k_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", P.K_PROJ),
-        ("self_attn.v_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", P.V_PROJ),
-        (
-            "self_attn.o_proj",
-            (H, cfg.num_attention_heads * D),
-            "[hidden_size, num_attention_heads * head_dim]",
-            P.O_PROJ,
-        ),
-    ]
-    if cfg.qk_norm:
-        specs += [
-            ("self_attn.q_norm", (D,), "[head_dim]", None),
-            ("self_attn.k_norm", (D,), "[head_dim]", None),
-        ]
-    if cfg.ffn is FfnKind.DENSE:
-        I = cfg.intermediate_size
-        specs += [
-            ("mlp.gate_proj", (I, H), "[intermediate_size, hidden_size]", P.GATE_PROJ),
-            ("mlp.up_proj", (I, H), "[intermediate_size, hidden_size]", P.UP_PROJ),
-            ("mlp.down_proj", (H, I), "[hidden_size, intermediate_size]", P.DOWN_PROJ),
-        ]
-    else:
-        moe = cfg.moe
-        specs.append(("mlp.gate", (moe.num_experts, H), "[num_experts, hidden_size]", P.ROUTER))
-        if moe.has_shared_expert:
-            S, s = moe.shared_expert_intermediate_size, "shared_expert_intermediate_size"
-            specs += [
-                ("mlp.shared_expert.gate_proj", (S, H), f"[{s}, hidden_size]", P.SHARED_EXPERT),
-                ("mlp.shared_expert.up_proj", (S, H), f"[{s}, hidden_size]", P.SHARED_EXPERT),
-                ("mlp.shared_expert.down_proj", (H, S), f"[hidden_size, {s}]", P.SHARED_EXPERT),
-            ]
-            if moe.shared_expert_gate:
-                specs.append(
-                    ("mlp.shared_expert_gate", (1, H), "[1, hidden_size]", P.SHARED_EXPERT_GATE)
-                )
-    return [
-        _vector(f"{L}.{name}", shape[0], what)
-        if role is None
-        else _weight(f"{L}.{name}", shape, what, role)
-        for name, shape, what, role in specs
-    ]
+        if packed is None:
+            E = cfg.moe.num_experts
+            sources = tuple(f"{base}.{e}.{proj}.weight" for e in range(E))
+            entries.append(_described(name, leaf, sources=sources, assembly=Assembly.STACK))
+        elif proj == "down_proj":
+            sources = (packed.replace("gate_up_proj", "down_proj"),)
+            entries.append(_described(name, leaf, sources=sources, assembly=Assembly.PACKED))
+        else:
+            assembly = Assembly.PACKED_GATE if proj == "gate_proj" else Assembly.PACKED_UP
+            entries.append(_described(name, leaf, sources=(packed,), assembly=assembly))
+    return entries
 
 
 def _qwen_plan(cfg: DrafterConfig, names: set[str], source: str) -> Plan:
     if not _has_prefix(names, "mtp."):
         raise _no_mtp(cfg, source, ["mtp."])
-    H = cfg.hidden_size
     entries, tied = _head_entries(cfg, names, source)
-    entries += [
-        _weight("mtp.fc", (H, 2 * H), "[hidden_size, 2 * hidden_size]", Projection.FC),
-        _vector("mtp.pre_fc_norm_embedding", H, "[hidden_size]"),
-        _vector("mtp.pre_fc_norm_hidden", H, "[hidden_size]"),
-        _vector("mtp.norm", H, "[hidden_size]"),
-    ]
-    if cfg.mtp_use_dedicated_embeddings:
-        entries.append(
-            Entry(
-                name="mtp.embed_tokens",
-                kind=EntryKind.EMBEDDING,
-                sources=("mtp.embed_tokens.weight",),
-                shape=(cfg.vocab_size, H),
-                what="[vocab_size, hidden_size] (mtp_use_dedicated_embeddings)",
-            )
-        )
-    packed_any = False
     prefixes = []
     for i in range(cfg.num_mtp_modules):
-        L = f"mtp.layers.{i}"
-        if not _has_prefix(names, L + "."):
-            raise _missing_module(cfg, source, i, [L + "."])
-        prefixes.append(L + ".")
-        entries += _qwen_layer(cfg, L)
-        if cfg.ffn is FfnKind.MOE:
-            experts, packed = _qwen_experts(cfg, names, L)
-            packed_any |= packed
-            entries += experts
+        L = f"mtp.layers.{i}."
+        if not _has_prefix(names, L):
+            raise _missing_module(cfg, source, i, [L])
+        prefixes.append(L)
+        entries += _qwen_module(cfg, names, i, shared=i == 0)
+    packed_any = any(e.assembly is Assembly.PACKED for e in entries)
     _check_present(entries, names, source)
     return Plan(
         layout="qwen_packed_experts" if packed_any else "qwen",
@@ -590,14 +484,6 @@ class DrafterCheckpoint:
         return len(self.modules)
 
 
-def _dense(named: Mapping[str, Any], base: str) -> DenseFfnParams:
-    return DenseFfnParams(
-        gate_proj=named[f"{base}.gate_proj"],
-        up_proj=named[f"{base}.up_proj"],
-        down_proj=named[f"{base}.down_proj"],
-    )
-
-
 def assemble(named: Mapping[str, Any], cfg: DrafterConfig) -> DrafterCheckpoint:
     """Builds the runnable drafter from converted tensors by name (Qwen layouts).
 
@@ -608,48 +494,10 @@ def assemble(named: Mapping[str, Any], cfg: DrafterConfig) -> DrafterCheckpoint:
         raise ValueError(
             f"no drafter layout for {cfg.architecture.value}: {cfg.unsupported_reason}"
         )
-    modules = []
-    for i in range(cfg.num_mtp_modules):
-        L = f"mtp.layers.{i}"
-        attn = f"{L}.self_attn"
-        attention = AttentionParams(
-            q_proj=named[f"{attn}.q_proj"],
-            k_proj=named[f"{attn}.k_proj"],
-            v_proj=named[f"{attn}.v_proj"],
-            o_proj=named[f"{attn}.o_proj"],
-            q_norm=named.get(f"{attn}.q_norm"),
-            k_norm=named.get(f"{attn}.k_norm"),
-        )
-        mlp = f"{L}.mlp"
-        if cfg.ffn is FfnKind.DENSE:
-            ffn: DenseFfnParams | MoeFfnParams = _dense(named, mlp)
-        else:
-            shared = _dense(named, f"{mlp}.shared_expert") if cfg.moe.has_shared_expert else None
-            ffn = MoeFfnParams(
-                router=named[f"{mlp}.gate"],
-                experts=_dense(named, f"{mlp}.experts"),
-                shared_expert=shared,
-                shared_expert_gate=named.get(f"{mlp}.shared_expert_gate"),
-            )
-        layer = DecoderLayerParams(
-            input_layernorm=named[f"{L}.input_layernorm"],
-            attention=attention,
-            post_attention_layernorm=named[f"{L}.post_attention_layernorm"],
-            ffn=ffn,
-        )
-        modules.append(
-            DrafterParams(
-                fc=named["mtp.fc"],
-                pre_fc_norm_embedding=named["mtp.pre_fc_norm_embedding"],
-                pre_fc_norm_hidden=named["mtp.pre_fc_norm_hidden"],
-                layer=layer,
-                norm=named["mtp.norm"],
-                embed_tokens=named.get("mtp.embed_tokens"),
-            )
-        )
+    modules = tuple(from_named(named, cfg, i) for i in range(cfg.num_mtp_modules))
     head = LMHeadParams(
         weight=named[HEAD_WEIGHT],
         embedding=named[HEAD_EMBEDDING],
         final_norm=named.get(HEAD_FINAL_NORM),
     )
-    return DrafterCheckpoint(modules=tuple(modules), head=head)
+    return DrafterCheckpoint(modules=modules, head=head)

@@ -3,7 +3,8 @@
     cfg, ckpt = load_drafter("out/qwen3-next-mtp")
     out = drafter_forward(ckpt.modules[0], ckpt.head, tokens, hidden, cfg=cfg)
 
-The abstract shape of every leaf is derived from the manifest, so orbax restores straight onto
+The abstract shape of every leaf is derived from the manifest (for a runnable family checked
+against the drafter's description of the config, ``module_leaves``), so orbax restores onto
 the requested placement: one ``jax.sharding.Sharding`` for every leaf, or a callable from a
 leaf's path (``"modules.0.layer.attention.q_proj.w"``, ``"head.embedding"``; for the named tree
 of a non-runnable family ``"model.layers.61.eh_proj.q"``) to a sharding (None = first device).
@@ -38,6 +39,7 @@ from mtpjax.checkpoint._formats import weight_class
 from mtpjax.checkpoint._layouts import DrafterCheckpoint, assemble
 from mtpjax.checkpoint._safetensors_io import CheckpointError
 from mtpjax.config import DrafterConfig
+from mtpjax.drafter import module_leaves
 from mtpjax.weights import Weight, WeightFormat
 
 __all__ = ["ShardingSpec", "load_drafter", "read_manifest"]
@@ -176,6 +178,19 @@ def _verify(path: Path, record: TensorRecord, leaves: Mapping[str, jax.Array]) -
             )
 
 
+def _check_described(manifest: Path, cfg: DrafterConfig, abstract: Mapping[str, Any]) -> None:
+    """Every leaf the drafter's description of ``cfg`` names is recorded at its logical shape
+    (KeyError for a missing record)."""
+    for i in range(cfg.num_mtp_modules):
+        for name, leaf in module_leaves(cfg, i):
+            found = tuple(abstract[name].shape)
+            if found != leaf.shape:
+                raise CheckpointError(
+                    f"{manifest}: tensor {name!r} is recorded as {list(found)}, but config.json "
+                    f"gives {list(leaf.shape)} {leaf.what}; convert the checkpoint again"
+                )
+
+
 def load_drafter(
     path: str | os.PathLike,
     *,
@@ -216,6 +231,8 @@ def load_drafter(
     }
     abstract = {r.name: _build(r, specs[r.name]) for r in manifest.tensors}
     try:
+        if cfg.runnable:
+            _check_described(path / MANIFEST_FILE, cfg, abstract)
         structure = assemble(abstract, cfg) if cfg.runnable else abstract
     except KeyError as err:
         raise CheckpointError(

@@ -13,19 +13,23 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+from collections.abc import Mapping
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from mtpjax.config import DrafterConfig, FfnKind
 from mtpjax.kv import KVDtype, PoolConfig
-from mtpjax.layers.decoder import (
-    DecoderLayerParams,
-    build_decoder_layer,
-    init_norm,
-    init_projection,
+from mtpjax.layers import (
+    Leaf,
+    Rules,
+    init_leaf,
+    layer_from_named,
+    layer_leaves,
+    partition_spec,
     with_normal_draws,
 )
+from mtpjax.layers.decoder import DecoderLayerParams
 from mtpjax.weights import (
     Precision,
     Projection,
@@ -92,28 +96,80 @@ def init(
     return _init(cfg, key, parse_precision(precision))
 
 
+def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
+    """The leaves every module of a checkpoint shares (names relative to ``mtp.``), in the
+    initialiser's draw order; a module's own layer is ``layer_leaves(cfg)``."""
+    H = cfg.hidden_size
+    fc_what = "[hidden_size, 2 * hidden_size]"
+    fc = Leaf(
+        name="fc", shape=(H, 2 * H), what=fc_what, axes=("embed", "fc_in"), role=Projection.FC
+    )
+    norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+    leaves = [fc, *(Leaf(name=n, shape=(H,), what="[hidden_size]", axes=("embed",)) for n in norms)]
+    if cfg.mtp_use_dedicated_embeddings:
+        what = "[vocab_size, hidden_size] (mtp_use_dedicated_embeddings)"
+        axes = ("vocab_in", "embed")
+        leaves.append(
+            Leaf(
+                name="embed_tokens", shape=(cfg.vocab_size, H), what=what, axes=axes, embedding=True
+            )
+        )
+    return tuple(leaves)
+
+
+def module_leaves(cfg: DrafterConfig, index: int) -> tuple[tuple[str, Leaf], ...]:
+    """``(checkpoint name, leaf)`` for every leaf of MTP module ``index``: the shared ``mtp.*``
+    leaves and its layer ``mtp.layers.{index}.*``."""
+    layer = f"mtp.layers.{index}."
+    return (
+        *((f"mtp.{leaf.name}", leaf) for leaf in shared_leaves(cfg)),
+        *((layer + leaf.name, leaf) for leaf in layer_leaves(cfg)),
+    )
+
+
+def from_named(named: Mapping[str, Any], cfg: DrafterConfig, index: int = 0) -> DrafterParams:
+    """MTP module ``index`` from ``named[checkpoint name]`` (weights, arrays, or stand-ins such as
+    ``jax.ShapeDtypeStruct`` or PartitionSpecs); a missing required leaf raises KeyError."""
+    return DrafterParams(
+        fc=named["mtp.fc"],
+        pre_fc_norm_embedding=named["mtp.pre_fc_norm_embedding"],
+        pre_fc_norm_hidden=named["mtp.pre_fc_norm_hidden"],
+        layer=layer_from_named(named, f"mtp.layers.{index}.", cfg=cfg),
+        norm=named["mtp.norm"],
+        embed_tokens=named.get("mtp.embed_tokens"),
+    )
+
+
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init(cfg: DrafterConfig, key: jax.Array, precision: Precision) -> DrafterParams:
-    H = cfg.hidden_size
+    dense = cfg.ffn is FfnKind.DENSE
+    leaves = module_leaves(cfg, 0)
 
     def build(draw) -> DrafterParams:
-        fc = init_projection(
-            draw, (H, 2 * H), Projection.FC, precision, dense_ffn=cfg.ffn is FfnKind.DENSE
-        )
-        pre_e, pre_h, norm = (init_norm(draw, H) for _ in range(3))
-        embed_tokens = None
-        if cfg.mtp_use_dedicated_embeddings:
-            embed_tokens = draw((cfg.vocab_size, H)).astype(jnp.bfloat16)
-        return DrafterParams(
-            fc=fc,
-            pre_fc_norm_embedding=pre_e,
-            pre_fc_norm_hidden=pre_h,
-            layer=build_decoder_layer(cfg, draw, precision),
-            norm=norm,
-            embed_tokens=embed_tokens,
-        )
+        named = {n: init_leaf(leaf, draw, precision, dense_ffn=dense) for n, leaf in leaves}
+        return from_named(named, cfg)
 
     return with_normal_draws(key, build)
+
+
+def partition_specs(params: DrafterParams, cfg: DrafterConfig, rules: Rules) -> DrafterParams:
+    """``params``' PartitionSpecs (same structure) from its leaves' logical axes under ``rules``,
+    e.g. ``{"heads": "tp", "kv_heads": "tp", "mlp": "tp", "experts": "ep"}``; place with
+    ``jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))``."""
+    axes = from_named({n: _Axes(leaf.axes) for n, leaf in module_leaves(cfg, 0)}, cfg)
+    return jax.tree.map(
+        lambda a, value: partition_spec(value, a.axes, rules),
+        axes,
+        params,
+        is_leaf=lambda x: isinstance(x, _Axes),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """A leaf's logical axes standing in for its value (a pytree leaf, unlike a tuple)."""
+
+    axes: tuple[str | None, ...]
 
 
 def projection_formats(params: DrafterParams) -> dict[str, WeightFormat]:

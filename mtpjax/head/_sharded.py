@@ -51,6 +51,7 @@ from mtpjax.head._lm_head import (
     _project,
     _round_up,
 )
+from mtpjax.layers import partition_spec
 from mtpjax.weights import (
     FP8_BLOCK,
     Bf16Weight,
@@ -136,16 +137,17 @@ def _pad_weight(w: Weight, vp: int) -> Weight:
     )
 
 
+# The head's leaves: the projection's rows are the vocab (split), the embedding's are not.
+HEAD_AXES = {
+    "weight": ("vocab", "embed"),
+    "embedding": ("vocab_in", "embed"),
+    "final_norm": ("embed",),
+}
+
+
 def _row_specs(w: Weight, axis: str) -> Weight:
     """PartitionSpecs splitting a [Vp, H] weight's rows (and per-row scales) over ``axis``."""
-    rows = P(axis, None)
-    if isinstance(w, Bf16Weight):
-        return Bf16Weight(w=rows)
-    if isinstance(w, Fp8RowWeight):
-        return Fp8RowWeight(q=rows, scale=P(axis))
-    if isinstance(w, Fp8BlockWeight):
-        return Fp8BlockWeight(q=rows, scale_inv=rows)
-    return Nvfp4Weight(packed=rows, scale=rows, scale_2=P())
+    return partition_spec(w, HEAD_AXES["weight"], {"vocab": axis})
 
 
 def _place(tree, specs, mesh: Mesh):
@@ -153,24 +155,18 @@ def _place(tree, specs, mesh: Mesh):
 
 
 def shard_lm_head(params: LMHeadParams, mesh: Mesh, axis_name: str) -> ShardedLMHeadParams:
-    """Pads the head to ``Vp`` rows and places it vocab-parallel over ``mesh``'s ``axis_name``.
-
-    A verify copy in ``params`` is rebuilt from the padded weight and split by columns, so each
-    device's slice of it is the transposed copy of its own rows. Other mesh axes replicate.
-    """
+    """Pads the head to ``Vp`` rows and places it vocab-parallel over ``mesh``'s ``axis_name``:
+    each leaf by its ``HEAD_AXES`` under ``{"vocab": axis_name}`` (other mesh axes replicate)."""
     if axis_name not in mesh.shape:
         raise ValueError(f"mesh has axes {tuple(mesh.shape)}; no axis named {axis_name!r}")
     _check_head_weight(params.weight)
     num_shards = mesh.shape[axis_name]
     vp = padded_vocab(params.weight, num_shards)
     weight = _pad_weight(params.weight, vp)
-    replicated = NamedSharding(mesh, P())
+    rules = {"vocab": axis_name}
+    leaves = {"weight": weight, "embedding": params.embedding, "final_norm": params.final_norm}
     return ShardedLMHeadParams(
-        weight=_place(weight, _row_specs(weight, axis_name), mesh),
-        embedding=jax.device_put(params.embedding, replicated),
-        final_norm=None
-        if params.final_norm is None
-        else jax.device_put(params.final_norm, replicated),
+        **{k: _place(v, partition_spec(v, HEAD_AXES[k], rules), mesh) for k, v in leaves.items()},
         mesh=mesh,
         axis_name=axis_name,
         vocab_size=params.weight.out_features,

@@ -1,5 +1,14 @@
 """Layer math shared by the drafter and the reference target: norms, RoPE, attention, FFN."""
 
+from mtpjax.layers._spec import (
+    Leaf,
+    Rules,
+    init_leaf,
+    layer_from_named,
+    layer_leaves,
+    partition_spec,
+    with_normal_draws,
+)
 from mtpjax.layers.attention import (
     AttentionParams,
     attend,
@@ -17,17 +26,24 @@ __all__ = [
     "AttentionParams",
     "DecoderLayerParams",
     "DenseFfnParams",
+    "Leaf",
     "MoeFfnParams",
+    "Rules",
     "apply_rope",
     "attend",
     "causal_self_attention",
     "decoder_layer",
     "dense_ffn",
+    "init_leaf",
+    "layer_from_named",
+    "layer_leaves",
     "moe_ffn",
     "output_projection",
+    "partition_spec",
     "project_kv",
     "project_q",
     "rms_norm",
     "rope_cos_sin",
     "route",
+    "with_normal_draws",
 ]
