@@ -21,10 +21,8 @@ Output directory:
                   conversion runs so the process never holds more than one group at a time
                   (orbax copies what it saves); each tensor's record names its group.
 
-The output is written to a temporary directory beside ``out`` and renamed into place. A failed or
-interrupted (SIGINT, SIGTERM) conversion removes it and every parent directory it created, so
-nothing is left behind; an existing ``out`` is refused unless ``force``, and then replaced only
-once the new one is complete; an ``out`` that is, holds or lies inside the source is refused.
+The output is staged beside ``out`` and renamed into place (``_Staging``), so a failed or
+interrupted conversion leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -118,17 +116,9 @@ class TensorRecord:
     sha256: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "sources": list(self.sources),
-            "source_format": self.source_format,
-            "format": self.format,
-            "shape": list(self.shape),
-            "leaves": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in self.leaves.items()},
-            "group": self.group,
-            "sha256": dict(self.sha256),
-        }
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        leaves = {k: {"dtype": d, "shape": list(s)} for k, (d, s) in self.leaves.items()}
+        return data | dict(sources=list(self.sources), shape=list(self.shape), leaves=leaves)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TensorRecord:

@@ -107,12 +107,7 @@ _NATIVE = {
     SourceFormat.NVFP4: WeightFormat.NVFP4,
 }
 
-_WEIGHT_CLASSES: dict[WeightFormat, type] = {
-    WeightFormat.BF16: Bf16Weight,
-    WeightFormat.FP8: Fp8RowWeight,
-    WeightFormat.FP8_BLOCK: Fp8BlockWeight,
-    WeightFormat.NVFP4: Nvfp4Weight,
-}
+_WEIGHT_CLASSES = {c.format: c for c in (Bf16Weight, Fp8RowWeight, Fp8BlockWeight, Nvfp4Weight)}
 
 
 def weight_class(fmt: WeightFormat) -> type:
@@ -328,17 +323,17 @@ def _to_numpy(w: Weight) -> Weight:
     return type(w)(**leaves)
 
 
+def _row_span(leaf: str, r0: int, r1: int) -> slice:
+    """The slice of leaf ``leaf`` that holds rows ``[r0, r1)`` of a 2-D weight (``scale_inv``
+    has one row per 128-row tile, so a block-128 ``r0`` must be a multiple of 128)."""
+    div = FP8_BLOCK if leaf == "scale_inv" else 1
+    return slice(r0 // div, -(-r1 // div))
+
+
 def _rows_of(w: Weight, r0: int, r1: int) -> Weight:
-    """Rows ``[r0, r1)`` of a 2-D weight (block-128 weights: ``r0`` a multiple of 128)."""
-    if isinstance(w, Bf16Weight):
-        return Bf16Weight(w=w.w[r0:r1])
-    if isinstance(w, Fp8RowWeight):
-        return Fp8RowWeight(q=w.q[r0:r1], scale=w.scale[r0:r1])
-    if isinstance(w, Fp8BlockWeight):
-        return Fp8BlockWeight(
-            q=w.q[r0:r1], scale_inv=w.scale_inv[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)]
-        )
-    return Nvfp4Weight(packed=w.packed[r0:r1], scale=w.scale[r0:r1], scale_2=w.scale_2)
+    """Rows ``[r0, r1)`` of a 2-D weight (NVFP4's scalar ``scale_2`` is shared by all rows)."""
+    leaves = weight_leaves(w)
+    return type(w)(**{k: v if v.ndim == 0 else v[_row_span(k, r0, r1)] for k, v in leaves.items()})
 
 
 RowReader = Callable[[int, int], np.ndarray]  # (r0, r1) -> f32[r1 - r0, K]
@@ -408,12 +403,10 @@ def _requantize_rows(
             if leaf.ndim == 0:  # NVFP4 scale_2: the same for every chunk, by construction
                 out[name] = leaf
                 continue
-            div = FP8_BLOCK if name == "scale_inv" else 1
-            lo, hi = r0 // div, -(-r1 // div)
+            span = _row_span(name, r0, r1)
             if name not in out:
-                total = -(-n // div)
-                out[name] = np.empty((total, *leaf.shape[1:]), leaf.dtype)
-            out[name][lo:hi] = leaf[: hi - lo]
+                out[name] = np.empty((_row_span(name, 0, n).stop, *leaf.shape[1:]), leaf.dtype)
+            out[name][span] = leaf[: span.stop - span.start]
     return weight_class(fmt)(**out)
 
 
