@@ -27,20 +27,17 @@ K/V of positions ``< n``):
 4. the next propose's window is the verify's own output: tokens ``[d_1 .. d_a, b]`` with the
    verify hidden at positions ``n .. n+a`` (``start = n``, ``count = a + 1``).
 
-Exactness and the row window. Greedy speculative decoding equals greedy decoding with the target
-alone only if the target scores a position identically in a ``K+1``-token verify step and in a
-one-token decode step. On XLA:CPU it does not, bit for bit: the summation order of a dot, of a
-last-axis reduction (RMSNorm) and of the attention einsum depends on the shape of the call (on the
-reference target a position's hidden differs by ~1e-6 between a ``[B, 1]`` and a ``[B, 4]``
-step). Within one fixed shape, though, a row's result does not depend on its index in the window
-(checked on the reference target for B = 1, 3, 8 and windows of 2..5 rows). So
-``generate_baseline`` takes ``step_width``: each decode step runs the target over a window of
-that many rows, the token in row 0 and padding after it, which causal attention keeps out of
-row 0. With ``step_width = num_drafts + 1`` (and the same batch and cache length, which both
-functions derive the same way) every target call of the two runs has the same shape, so the
-outputs agree token for token by construction rather than by argmax margins. (With
-``step_width = 1`` the ~1e-6 differences have not flipped an argmax on the shipped pair either,
-but nothing guarantees it.) The LM head pads rows itself (``mtpjax.head``).
+Exactness and the row window. Greedy speculation equals greedy decoding with the target alone
+only if the target scores a position identically in a ``K+1``-row verify step and in a one-row
+decode step. On XLA:CPU it does not, bit for bit: the summation order of a dot, of RMSNorm and
+of the attention einsum depends on the call's shape (~1e-6 on the reference target's hidden
+between ``[B, 1]`` and ``[B, 4]`` steps), while within one shape a row's result does not depend
+on its index in the window (checked for B = 1, 3, 8 and windows of 2..5 rows). So
+``generate_baseline`` runs each decode step over ``step_width`` rows, the token in row 0 and
+padding after it (causal attention keeps it out of row 0). With ``step_width = num_drafts + 1``
+every target call of the two runs has the same shape (both derive batch and cache length the
+same way), so the outputs agree token for token by construction, not by argmax margins. The LM
+head pads rows itself (``mtpjax.head``).
 
 Shapes: ``[B]`` sequences, ``[T]`` padded prompt width, ``[N]`` max_new_tokens, ``[K]`` drafts
 per round, ``[W]`` target rows per step (``K + 1`` for speculation), ``H`` hidden, ``V`` vocab,

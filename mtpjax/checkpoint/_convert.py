@@ -267,36 +267,28 @@ def _convert_entry(
 ) -> tuple[Any, TensorRecord]:
     if entry.kind is EntryKind.WEIGHT:
         fmt = _weight_format(entry, cfg, target, head_target)
-        w, source_format = _convert_weight_entry(ckpt, entry, fmt)
-        leaves = weight_leaves(w)
-        record = TensorRecord(
-            name=entry.name,
-            kind=entry.kind.value,
-            sources=entry.sources,
-            source_format=source_format,
-            format=w.format.value,
-            shape=tuple(w.shape),
-            leaves={k: _leaf_record(v) for k, v in leaves.items()},
-        )
-        return w, record
-    name = entry.sources[0]
-    info = ckpt.info(name)
-    if entry.shape is not None and info.shape != entry.shape:
-        note = " (logical; NVFP4 packs 2 codes per byte)" if info.dtype == "U8" else ""
-        raise _shape_error(name, info.file.name, entry.shape, entry.what, info.shape, note)
-    if entry.kind is EntryKind.EMBEDDING:
-        value = read_embedding(ckpt, name)
+        value, source_format = _convert_weight_entry(ckpt, entry, fmt)
+        stored_format = value.format.value
     else:
-        check_dtype(info, "norm, bias or other array")
-        value = ckpt.read(name)
+        name = entry.sources[0]
+        info = ckpt.info(name)
+        if entry.shape is not None and info.shape != entry.shape:
+            note = " (logical; NVFP4 packs 2 codes per byte)" if info.dtype == "U8" else ""
+            raise _shape_error(name, info.file.name, entry.shape, entry.what, info.shape, note)
+        if entry.kind is EntryKind.EMBEDDING:
+            value = read_embedding(ckpt, name)
+        else:
+            check_dtype(info, "norm, bias or other array")
+            value = ckpt.read(name)
+        source_format, stored_format = info.dtype.lower(), None
     record = TensorRecord(
         name=entry.name,
         kind=entry.kind.value,
         sources=entry.sources,
-        source_format=info.dtype.lower(),
-        format=None,
+        source_format=source_format,
+        format=stored_format,
         shape=tuple(value.shape),
-        leaves={ARRAY_LEAF: _leaf_record(value)},
+        leaves={k: _leaf_record(v) for k, v in _stored_leaves(value).items()},
     )
     return value, record
 

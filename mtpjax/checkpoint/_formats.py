@@ -302,9 +302,7 @@ def read_native(ckpt: SafetensorsCheckpoint, src: SourceWeight) -> Weight:
     Float sources come back as BF16 (F16/F32 rounded to nearest even, row chunk by row chunk).
     """
     if src.format in _FLOAT_SOURCES:
-        if src.format is SourceFormat.BF16:
-            return Bf16Weight(w=ckpt.read(src.name))
-        return _requantize_rows(_float_rows(ckpt, src), src, WeightFormat.BF16)
+        return convert_weight(ckpt, src, WeightFormat.BF16)
     w = ckpt.read(src.name)
     if src.format is SourceFormat.FP8_BLOCK:
         return Fp8BlockWeight(q=w, scale_inv=_as_f32(ckpt, src.scale))
