@@ -410,10 +410,17 @@ def _check_tokens(tokens: jax.Array, name: str = "tokens") -> None:
         raise ValueError(f"{name} must be int[B, T], got {tokens.dtype}{list(tokens.shape)}")
 
 
-def _causal(positions: jax.Array):
-    """Attend within the call's own rows: row i sees rows j with positions[j] <= positions[i]."""
+def _causal_stack(params, head, tokens, positions, cfg, implementation):
+    """Embedding, the layers attending within the call's own rows (row i sees rows j with
+    positions[j] <= positions[i]), final norm: (hidden f32[B, T, H], (k, v) [L, B, T, Nkv, D])."""
     mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
-    return lambda k, v: (k, v, mask)
+    x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
+
+    def body(x, lp):
+        return _layer(lp, x, positions, lambda k, v: (k, v, mask), cfg, implementation)
+
+    x, kv = jax.lax.scan(body, x, params.layers)
+    return _norm(x, params.final_norm, cfg), kv
 
 
 @configs_by_name
@@ -441,15 +448,7 @@ def _target_forward(params, head, tokens, positions, *, cfg, implementation):
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
-    attend_to = _causal(positions)
-
-    def body(x, lp):
-        x, _ = _layer(lp, x, positions, attend_to, cfg, implementation)
-        return x, None
-
-    x, _ = jax.lax.scan(body, x, params.layers)
-    return _norm(x, params.final_norm, cfg)
+    return _causal_stack(params, head, tokens, positions, cfg, implementation)[0]
 
 
 @configs_by_name
@@ -483,18 +482,9 @@ def _target_prefill(params, head, cache, tokens, lengths, *, cfg, implementation
     if cache.batch != B:
         raise ValueError(f"tokens have batch {B}, the cache {cache.batch}")
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
-    attend_to = _causal(positions)
-
-    def body(x, layer):
-        lp, k_cache, v_cache = layer
-        x, (k, v) = _layer(lp, x, positions, attend_to, cfg, implementation)
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), 0, 1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), 0, 1)
-        return x, (k_cache, v_cache)
-
-    x, (k_new, v_new) = jax.lax.scan(body, x, (params.layers, cache.k, cache.v))
-    hidden = _norm(x, params.final_norm, cfg)
+    hidden, (k, v) = _causal_stack(params, head, tokens, positions, cfg, implementation)
+    k_new = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), 0, 2)
+    v_new = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), 0, 2)
     valid = positions < jnp.asarray(lengths, jnp.int32)[:, None]
     return jnp.where(valid[..., None], hidden, 0.0), TargetCache(k=k_new, v=v_new)
 
