@@ -192,6 +192,9 @@ def _leaf_record(a: Any) -> tuple[str, tuple[int, ...]]:
     return (np.dtype(a.dtype).name, tuple(int(d) for d in np.shape(a)))
 
 
+_NVFP4_NOTE = " (logical; NVFP4 packs 2 codes per byte)"
+
+
 def _shape_error(
     name: str, file: str, expected: tuple[int, ...], what: str, found: Any, note: str = ""
 ) -> CheckpointError:
@@ -217,11 +220,7 @@ def _convert_weight_entry(
     if entry.assembly is Assembly.SINGLE:
         src = detect(ckpt, entry.sources[0])
         if expected is not None and tuple(src.shape) != expected:
-            note = (
-                " (logical; NVFP4 packs 2 codes per byte)"
-                if src.format is SourceFormat.NVFP4
-                else ""
-            )
+            note = _NVFP4_NOTE if src.format is SourceFormat.NVFP4 else ""
             raise _shape_error(
                 src.name, src.weight.file.name, expected, entry.what, src.shape, note
             )
@@ -273,7 +272,7 @@ def _convert_entry(
         name = entry.sources[0]
         info = ckpt.info(name)
         if entry.shape is not None and info.shape != entry.shape:
-            note = " (logical; NVFP4 packs 2 codes per byte)" if info.dtype == "U8" else ""
+            note = _NVFP4_NOTE if info.dtype == "U8" else ""
             raise _shape_error(name, info.file.name, entry.shape, entry.what, info.shape, note)
         if entry.kind is EntryKind.EMBEDDING:
             value = read_embedding(ckpt, name)

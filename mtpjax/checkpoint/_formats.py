@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -190,13 +191,13 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
     def fail(what: str) -> CheckpointError:
         return CheckpointError(f"{name} ({info.file.name}): {what}")
 
+    found = functools.partial(SourceWeight, name=name, weight=info)
+
     if len(info.shape) < 2:
         raise fail(f"expected a [N, K] projection, found shape {_shape(info)}")
     *lead, n, k = info.shape
     if info.dtype in FLOAT_DTYPES:
-        return SourceWeight(
-            name=name, weight=info, format=SourceFormat(info.dtype.lower()), shape=info.shape
-        )
+        return found(format=SourceFormat(info.dtype.lower()), shape=info.shape)
     if info.dtype == "F8_E4M3":
         scale_inv = companion("_scale_inv")
         if scale_inv is not None:
@@ -208,13 +209,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                     f"{_shape(info)} (other block sizes are not supported)"
                 )
             check_dtype(scale_inv, "weight scale")
-            return SourceWeight(
-                name=name,
-                weight=info,
-                format=SourceFormat.FP8_BLOCK,
-                scale=scale_inv,
-                shape=info.shape,
-            )
+            return found(format=SourceFormat.FP8_BLOCK, scale=scale_inv, shape=info.shape)
         scale = companion("_scale")
         if scale is None:
             raise fail(
@@ -231,7 +226,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                 f"FP8 scale {name}_scale has shape {_shape(scale)}; expected [{n}] or [{n}, 1] "
                 "(per row) or [] (per tensor)"
             )
-        return SourceWeight(name=name, weight=info, format=fmt, scale=scale, shape=info.shape)
+        return found(format=fmt, scale=scale, shape=info.shape)
     if info.dtype == "U8":
         scale, scale_2 = companion("_scale"), companion("_scale_2")
         if scale is None or scale_2 is None:
@@ -251,14 +246,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                 f"NVFP4 global scale {name}_scale_2 is {scale_2.dtype}{_shape(scale_2)}, "
                 "expected one F32 value per matrix"
             )
-        return SourceWeight(
-            name=name,
-            weight=info,
-            format=SourceFormat.NVFP4,
-            scale=scale,
-            scale_2=scale_2,
-            shape=logical,
-        )
+        return found(format=SourceFormat.NVFP4, scale=scale, scale_2=scale_2, shape=logical)
     raise fail(
         f"weight dtype {info.dtype} is not a projection format this converter reads "
         "(BF16/F16/F32, F8_E4M3 with a scale, or NVFP4 U8 with E4M3 scales)"
