@@ -750,7 +750,8 @@ def _mtp_count(view: _ConfigView, key: str, *, default: int | None = None) -> in
 
 
 def _attention(view: _ConfigView, *, rotary_default: float) -> dict[str, Any]:
-    """Fields shared by the GQA families."""
+    """Fields every family reads alike, with the plain layer (non-zero-centred norms, no output
+    gate, ``concat[norm(e), norm(h)]``) that all but the Qwen family keep."""
     hidden = view.get_int("hidden_size", minimum=1)
     heads = view.get_int("num_attention_heads", minimum=1)
     if view.has("head_dim"):
@@ -776,6 +777,9 @@ def _attention(view: _ConfigView, *, rotary_default: float) -> dict[str, Any]:
         rms_norm_eps=view.get_float("rms_norm_eps"),
         max_position_embeddings=view.get_int("max_position_embeddings", minimum=1),
         tie_word_embeddings=view.get_bool("tie_word_embeddings", default=False),
+        zero_centered_norm=False,
+        attn_output_gate=False,
+        input_order=InputOrder.EMBED_FIRST,
     )
 
 
@@ -800,7 +804,6 @@ def _qwen_common(view: _ConfigView) -> dict[str, Any]:
         attn_output_gate=view.get_bool("attn_output_gate", default=True),
         qk_norm=True,
         mtp_use_dedicated_embeddings=view.get_bool("mtp_use_dedicated_embeddings", default=False),
-        input_order=InputOrder.EMBED_FIRST,
     )
 
 
@@ -882,8 +885,6 @@ def _parse_deepseek_v3(view: _ConfigView, model_type: str) -> dict[str, Any]:
         architecture=Architecture.DEEPSEEK_V3,
         head_dim=mla.qk_head_dim,
         partial_rotary_factor=mla.qk_rope_head_dim / mla.qk_head_dim,
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=False,  # MLA normalises its latents (q_a/kv_a layernorms) instead
         attention_bias=view.get_bool("attention_bias", default=False),
         ffn=FfnKind.MOE,
@@ -894,7 +895,6 @@ def _parse_deepseek_v3(view: _ConfigView, model_type: str) -> dict[str, Any]:
         ),
         mla=mla,
         num_mtp_modules=_mtp_count(view, "num_nextn_predict_layers"),
-        input_order=InputOrder.EMBED_FIRST,
         zero_embedding_at_position_0=True,
     )
 
@@ -906,14 +906,11 @@ def _parse_glm4_moe(view: _ConfigView, model_type: str) -> dict[str, Any]:
     return dict(
         _attention(view, rotary_default=0.5),
         architecture=Architecture.GLM4_MOE,
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=view.get_bool("use_qk_norm", default=False),
         attention_bias=view.get_bool("attention_bias", default=False),
         ffn=FfnKind.MOE,
         moe=_sigmoid_moe(view, experts_key=experts_key, correction_bias=True),
         num_mtp_modules=_mtp_count(view, "num_nextn_predict_layers"),
-        input_order=InputOrder.EMBED_FIRST,
         zero_embedding_at_position_0=True,
     )
 
@@ -923,8 +920,6 @@ def _parse_mimo(view: _ConfigView, model_type: str) -> dict[str, Any]:
     return dict(
         _attention(view, rotary_default=1.0),
         architecture=Architecture.MIMO,
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=False,
         attention_bias=True,
         ffn=FfnKind.DENSE,
@@ -957,14 +952,11 @@ def _parse_minimax_m2(view: _ConfigView, model_type: str) -> dict[str, Any]:
     return dict(
         fields,
         architecture=Architecture.MINIMAX_M2,
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=view.get_bool("use_qk_norm", default=False),
         ffn=FfnKind.MOE,
         moe=moe,
         num_mtp_modules=_mtp_count(view, "num_mtp_modules"),
         mtp_layers_per_module=view.get_int("mtp_transformer_layers", minimum=1, default=1),
-        input_order=InputOrder.EMBED_FIRST,
     )
 
 
