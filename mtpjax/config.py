@@ -336,17 +336,14 @@ class DrafterConfig(KeywordOnly):
 
     def __post_init__(self) -> None:
         check_enum("architecture", self.architecture, Architecture)
-        for key in (
-            "hidden_size",
-            "vocab_size",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "num_mtp_modules",
-            "mtp_layers_per_module",
-            "max_position_embeddings",
-        ):
-            check_int(key, getattr(self, key), minimum=1)
+        check_int("hidden_size", self.hidden_size, minimum=1)
+        check_int("vocab_size", self.vocab_size, minimum=1)
+        check_int("num_attention_heads", self.num_attention_heads, minimum=1)
+        check_int("num_key_value_heads", self.num_key_value_heads, minimum=1)
+        check_int("head_dim", self.head_dim, minimum=1)
+        check_int("num_mtp_modules", self.num_mtp_modules, minimum=1)
+        check_int("mtp_layers_per_module", self.mtp_layers_per_module, minimum=1)
+        check_int("max_position_embeddings", self.max_position_embeddings, minimum=1)
         check_divides(self, "num_key_value_heads", "num_attention_heads")
         check_float("partial_rotary_factor", self.partial_rotary_factor)
         if not 0.0 < self.partial_rotary_factor <= 1.0:
