@@ -96,36 +96,51 @@ class RouterScoring(enum.Enum):
 
 
 # --------------------------------------------------------------------------------------------
-# Validation helpers: every failure names the field, the value found and what was expected.
+# Validation shared by the library's configs: every failure names the field, the value found and
+# what was expected.
 
 
-def _fail(key: str, value: Any, expected: str) -> ValueError:
+def fail(key: str, value: Any, expected: str) -> ValueError:
     return ValueError(f"{key}={value!r}: expected {expected}")
 
 
-def _check_int(key: str, value: Any, *, minimum: int) -> None:
+def check_int(key: str, value: Any, *, minimum: int) -> None:
     # bool is an int subclass; a JSON `true` where a size belongs is a broken config.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise _fail(key, value, "an integer")
+        raise fail(key, value, "an integer")
     if value < minimum:
-        raise _fail(key, value, f"an integer >= {minimum}")
+        raise fail(key, value, f"an integer >= {minimum}")
 
 
-def _check_float(key: str, value: Any, *, positive: bool = True) -> None:
+def check_float(key: str, value: Any, *, positive: bool = True) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise _fail(key, value, "a finite number")
+        raise fail(key, value, "a finite number")
     if positive and value <= 0:
-        raise _fail(key, value, "a number > 0")
+        raise fail(key, value, "a number > 0")
 
 
-def _check_bool(key: str, value: Any) -> None:
+def check_bool(key: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise _fail(key, value, "a bool")
+        raise fail(key, value, "a bool")
 
 
-def _check_enum(key: str, value: Any, kind: type[enum.Enum]) -> None:
+def check_enum(key: str, value: Any, kind: type[enum.Enum]) -> None:
     if not isinstance(value, kind):
-        raise _fail(key, value, f"a {kind.__name__} member")
+        raise fail(key, value, f"a {kind.__name__} member")
+
+
+def check_at_most(cfg: Any, key: str, bound: str) -> None:
+    """``cfg.<key> <= cfg.<bound>`` (a ``key`` of None passes)."""
+    value, limit = getattr(cfg, key), getattr(cfg, bound)
+    if value is not None and value > limit:
+        raise fail(key, value, f"at most {bound}={limit}")
+
+
+def check_divides(cfg: Any, key: str, total: str) -> None:
+    """``cfg.<key>`` divides ``cfg.<total>``."""
+    value, whole = getattr(cfg, key), getattr(cfg, total)
+    if whole % value:
+        raise fail(key, value, f"a divisor of {total}={whole}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,38 +207,31 @@ class MoeConfig(KeywordOnly):
     topk_group: int = 1
 
     def __post_init__(self) -> None:
-        _check_int("num_experts", self.num_experts, minimum=1)
-        _check_int("num_experts_per_tok", self.num_experts_per_tok, minimum=1)
-        if self.num_experts_per_tok > self.num_experts:
-            raise _fail(
-                "num_experts_per_tok",
-                self.num_experts_per_tok,
-                f"at most num_experts={self.num_experts}",
-            )
-        _check_int("moe_intermediate_size", self.moe_intermediate_size, minimum=1)
-        _check_int(
+        check_int("num_experts", self.num_experts, minimum=1)
+        check_int("num_experts_per_tok", self.num_experts_per_tok, minimum=1)
+        check_at_most(self, "num_experts_per_tok", "num_experts")
+        check_int("moe_intermediate_size", self.moe_intermediate_size, minimum=1)
+        check_int(
             "shared_expert_intermediate_size", self.shared_expert_intermediate_size, minimum=0
         )
-        _check_bool("shared_expert_gate", self.shared_expert_gate)
+        check_bool("shared_expert_gate", self.shared_expert_gate)
         if self.shared_expert_gate and self.shared_expert_intermediate_size == 0:
-            raise _fail(
+            raise fail(
                 "shared_expert_gate",
                 self.shared_expert_gate,
                 "False when shared_expert_intermediate_size is 0 (no shared expert to gate)",
             )
-        _check_bool("norm_topk_prob", self.norm_topk_prob)
-        _check_enum("scoring", self.scoring, RouterScoring)
-        _check_bool("score_correction_bias", self.score_correction_bias)
-        _check_float("routed_scaling_factor", self.routed_scaling_factor)
-        _check_int("n_group", self.n_group, minimum=1)
-        if self.num_experts % self.n_group:
-            raise _fail("n_group", self.n_group, f"a divisor of num_experts={self.num_experts}")
-        _check_int("topk_group", self.topk_group, minimum=1)
-        if self.topk_group > self.n_group:
-            raise _fail("topk_group", self.topk_group, f"at most n_group={self.n_group}")
+        check_bool("norm_topk_prob", self.norm_topk_prob)
+        check_enum("scoring", self.scoring, RouterScoring)
+        check_bool("score_correction_bias", self.score_correction_bias)
+        check_float("routed_scaling_factor", self.routed_scaling_factor)
+        check_int("n_group", self.n_group, minimum=1)
+        check_divides(self, "n_group", "num_experts")
+        check_int("topk_group", self.topk_group, minimum=1)
+        check_at_most(self, "topk_group", "n_group")
         reachable = self.topk_group * (self.num_experts // self.n_group)
         if self.num_experts_per_tok > reachable:
-            raise _fail(
+            raise fail(
                 "num_experts_per_tok",
                 self.num_experts_per_tok,
                 f"at most topk_group * num_experts / n_group = {reachable}",
@@ -246,13 +254,13 @@ class MlaConfig(KeywordOnly):
 
     def __post_init__(self) -> None:
         if self.q_lora_rank is not None:
-            _check_int("q_lora_rank", self.q_lora_rank, minimum=1)
-        _check_int("kv_lora_rank", self.kv_lora_rank, minimum=1)
-        _check_int("qk_nope_head_dim", self.qk_nope_head_dim, minimum=1)
-        _check_int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=2)
+            check_int("q_lora_rank", self.q_lora_rank, minimum=1)
+        check_int("kv_lora_rank", self.kv_lora_rank, minimum=1)
+        check_int("qk_nope_head_dim", self.qk_nope_head_dim, minimum=1)
+        check_int("qk_rope_head_dim", self.qk_rope_head_dim, minimum=2)
         if self.qk_rope_head_dim % 2:
-            raise _fail("qk_rope_head_dim", self.qk_rope_head_dim, "an even number")
-        _check_int("v_head_dim", self.v_head_dim, minimum=1)
+            raise fail("qk_rope_head_dim", self.qk_rope_head_dim, "an even number")
+        check_int("v_head_dim", self.v_head_dim, minimum=1)
 
     @property
     def qk_head_dim(self) -> int:
@@ -327,25 +335,23 @@ class DrafterConfig(KeywordOnly):
     fp8_block_size: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        _check_enum("architecture", self.architecture, Architecture)
-        _check_int("hidden_size", self.hidden_size, minimum=1)
-        _check_int("vocab_size", self.vocab_size, minimum=1)
-        _check_int("num_attention_heads", self.num_attention_heads, minimum=1)
-        _check_int("num_key_value_heads", self.num_key_value_heads, minimum=1)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise _fail(
-                "num_key_value_heads",
-                self.num_key_value_heads,
-                f"a divisor of num_attention_heads={self.num_attention_heads}",
-            )
-        _check_int("head_dim", self.head_dim, minimum=1)
-        _check_float("partial_rotary_factor", self.partial_rotary_factor)
+        check_enum("architecture", self.architecture, Architecture)
+        check_int("hidden_size", self.hidden_size, minimum=1)
+        check_int("vocab_size", self.vocab_size, minimum=1)
+        check_int("num_attention_heads", self.num_attention_heads, minimum=1)
+        check_int("num_key_value_heads", self.num_key_value_heads, minimum=1)
+        check_int("head_dim", self.head_dim, minimum=1)
+        check_int("num_mtp_modules", self.num_mtp_modules, minimum=1)
+        check_int("mtp_layers_per_module", self.mtp_layers_per_module, minimum=1)
+        check_int("max_position_embeddings", self.max_position_embeddings, minimum=1)
+        check_divides(self, "num_key_value_heads", "num_attention_heads")
+        check_float("partial_rotary_factor", self.partial_rotary_factor)
         if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise _fail("partial_rotary_factor", self.partial_rotary_factor, "a value in (0, 1]")
-        _check_float("rope_theta", self.rope_theta)
+            raise fail("partial_rotary_factor", self.partial_rotary_factor, "a value in (0, 1]")
+        check_float("rope_theta", self.rope_theta)
         if not isinstance(self.rope_type, str) or not self.rope_type:
-            raise _fail("rope_type", self.rope_type, "a non-empty string")
-        _check_float("rms_norm_eps", self.rms_norm_eps)
+            raise fail("rope_type", self.rope_type, "a non-empty string")
+        check_float("rms_norm_eps", self.rms_norm_eps)
         for key in (
             "zero_centered_norm",
             "attn_output_gate",
@@ -355,51 +361,45 @@ class DrafterConfig(KeywordOnly):
             "zero_embedding_at_position_0",
             "tie_word_embeddings",
         ):
-            _check_bool(key, getattr(self, key))
-        _check_enum("ffn", self.ffn, FfnKind)
-        _check_int("intermediate_size", self.intermediate_size, minimum=0)
+            check_bool(key, getattr(self, key))
+        check_enum("ffn", self.ffn, FfnKind)
+        check_int("intermediate_size", self.intermediate_size, minimum=0)
         if self.moe is not None and not isinstance(self.moe, MoeConfig):
-            raise _fail("moe", self.moe, "a MoeConfig or None")
+            raise fail("moe", self.moe, "a MoeConfig or None")
         if self.ffn is FfnKind.DENSE:
             if self.intermediate_size == 0:
-                raise _fail("intermediate_size", 0, "> 0 for a dense FFN")
+                raise fail("intermediate_size", 0, "> 0 for a dense FFN")
             if self.moe is not None:
-                raise _fail("moe", self.moe, "None for a dense FFN (ffn=FfnKind.DENSE)")
+                raise fail("moe", self.moe, "None for a dense FFN (ffn=FfnKind.DENSE)")
         elif self.moe is None:
-            raise _fail("moe", None, "a MoeConfig for a MoE FFN (ffn=FfnKind.MOE)")
+            raise fail("moe", None, "a MoeConfig for a MoE FFN (ffn=FfnKind.MOE)")
         if self.mla is not None:
             if not isinstance(self.mla, MlaConfig):
-                raise _fail("mla", self.mla, "an MlaConfig or None")
+                raise fail("mla", self.mla, "an MlaConfig or None")
             if self.head_dim != self.mla.qk_head_dim:
-                raise _fail(
+                raise fail(
                     "head_dim",
                     self.head_dim,
                     f"qk_nope_head_dim + qk_rope_head_dim = {self.mla.qk_head_dim} with MLA",
                 )
         rotary = self.rotary_dim
         if rotary < 2 or rotary % 2:
-            raise _fail(
+            raise fail(
                 "partial_rotary_factor",
                 self.partial_rotary_factor,
                 f"a factor giving an even rotary dim >= 2 for head_dim={self.head_dim} "
                 f"(got int(head_dim * partial_rotary_factor) = {rotary})",
             )
-        _check_int("num_mtp_modules", self.num_mtp_modules, minimum=1)
-        _check_int("mtp_layers_per_module", self.mtp_layers_per_module, minimum=1)
-        _check_enum("input_order", self.input_order, InputOrder)
-        _check_int("max_position_embeddings", self.max_position_embeddings, minimum=1)
+        check_enum("input_order", self.input_order, InputOrder)
         if self.mtp_vocab_size is not None:
-            _check_int("mtp_vocab_size", self.mtp_vocab_size, minimum=1)
-            if self.mtp_vocab_size > self.vocab_size:
-                raise _fail(
-                    "mtp_vocab_size", self.mtp_vocab_size, f"at most vocab_size={self.vocab_size}"
-                )
+            check_int("mtp_vocab_size", self.mtp_vocab_size, minimum=1)
+        check_at_most(self, "mtp_vocab_size", "vocab_size")
         if self.fp8_block_size is not None:
             block = self.fp8_block_size
             if not isinstance(block, tuple) or len(block) != 2:
-                raise _fail("fp8_block_size", block, "a (rows, cols) tuple or None")
+                raise fail("fp8_block_size", block, "a (rows, cols) tuple or None")
             for size in block:
-                _check_int("fp8_block_size", size, minimum=1)
+                check_int("fp8_block_size", size, minimum=1)
 
     # ---- derived sizes -------------------------------------------------------------------
 
@@ -484,7 +484,7 @@ class DrafterConfig(KeywordOnly):
         model_type = view.model_type()
         parse = _DRAFTER_PARSERS.get(model_type)
         if parse is None:
-            raise _fail("model_type", model_type, "one of " + ", ".join(sorted(_DRAFTER_PARSERS)))
+            raise fail("model_type", model_type, "one of " + ", ".join(sorted(_DRAFTER_PARSERS)))
         fields = parse(view, model_type)
         fields["fp8_block_size"] = _fp8_block_size(view)
         return cls(mtp_vocab_size=mtp_vocab_size, **fields)
@@ -553,22 +553,17 @@ class LMHeadConfig(KeywordOnly):
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("vocab_size", self.vocab_size, minimum=1)
-        _check_int("hidden_size", self.hidden_size, minimum=1)
+        check_int("vocab_size", self.vocab_size, minimum=1)
+        check_int("hidden_size", self.hidden_size, minimum=1)
         if self.logit_softcap is not None:
-            _check_float("logit_softcap", self.logit_softcap)
+            check_float("logit_softcap", self.logit_softcap)
         if self.embedding_scale is not None:
-            _check_float("embedding_scale", self.embedding_scale)
-        _check_bool("f32_logits", self.f32_logits)
+            check_float("embedding_scale", self.embedding_scale)
+        check_bool("f32_logits", self.f32_logits)
         if self.draft_vocab_size is not None:
-            _check_int("draft_vocab_size", self.draft_vocab_size, minimum=1)
-            if self.draft_vocab_size > self.vocab_size:
-                raise _fail(
-                    "draft_vocab_size",
-                    self.draft_vocab_size,
-                    f"at most vocab_size={self.vocab_size}",
-                )
-        _check_bool("tie_word_embeddings", self.tie_word_embeddings)
+            check_int("draft_vocab_size", self.draft_vocab_size, minimum=1)
+        check_at_most(self, "draft_vocab_size", "vocab_size")
+        check_bool("tie_word_embeddings", self.tie_word_embeddings)
 
     @property
     def draft_rows(self) -> int:
@@ -615,7 +610,7 @@ def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, A
     if isinstance(config, Mapping):
         return dict(config)
     if not isinstance(config, (str, os.PathLike)):
-        raise _fail("config", config, "a dict, or a path to config.json or its directory")
+        raise fail("config", config, "a dict, or a path to config.json or its directory")
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
@@ -626,8 +621,13 @@ def load_hf_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, A
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from err
     if not isinstance(data, dict):
-        raise _fail(str(path), type(data).__name__, "a JSON object at the top level")
+        raise fail(str(path), type(data).__name__, "a JSON object at the top level")
     return data
+
+
+def _check_str(key: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise fail(key, value, "a string")
 
 
 class _ConfigView:
@@ -641,7 +641,7 @@ class _ConfigView:
         self._top = raw
         text = raw.get("text_config")
         if text is not None and not isinstance(text, dict):
-            raise _fail("text_config", text, "a JSON object")
+            raise fail("text_config", text, "a JSON object")
         self._text = text
 
     def _where(self, key: str) -> tuple[bool, Any, str]:
@@ -660,8 +660,7 @@ class _ConfigView:
             value, path = self._text["model_type"], "text_config.model_type"
         else:
             raise ValueError("config key 'model_type' is missing: cannot tell the architecture")
-        if not isinstance(value, str):
-            raise _fail(path, value, "a string")
+        _check_str(path, value)
         return value
 
     def has(self, key: str) -> bool:
@@ -672,45 +671,31 @@ class _ConfigView:
         found, value, _ = self._where(key)
         return value if found and value is not None else default
 
-    def _require(self, key: str, expected: str) -> tuple[Any, str]:
+    def _get(self, key: str, default: Any, expected: str, check: Callable[[str, Any], None]):
+        """The value at ``key`` (``default`` when absent and not None), checked by ``check``."""
+        if default is not None and not self.has(key):
+            return default
         found, value, path = self._where(key)
         if not found or value is None:
             raise ValueError(f"config key {path!r} is missing: expected {expected}")
-        return value, path
+        check(path, value)
+        return value
 
     def get_int(self, key: str, *, minimum: int = 0, default: int | None = None) -> int:
-        if default is not None and not self.has(key):
-            return default
-        value, path = self._require(key, "an integer")
-        _check_int(path, value, minimum=minimum)
-        return value
+        return self._get(key, default, "an integer", functools.partial(check_int, minimum=minimum))
 
     def get_float(self, key: str, *, default: float | None = None) -> float:
-        if default is not None and not self.has(key):
-            return default
-        value, path = self._require(key, "a number")
-        _check_float(path, value, positive=False)
-        return float(value)
+        check = functools.partial(check_float, positive=False)
+        return float(self._get(key, default, "a number", check))
 
     def optional_float(self, key: str) -> float | None:
-        if not self.has(key):
-            return None
-        return self.get_float(key)
+        return self.get_float(key) if self.has(key) else None
 
     def get_bool(self, key: str, *, default: bool | None = None) -> bool:
-        if default is not None and not self.has(key):
-            return default
-        value, path = self._require(key, "a bool")
-        _check_bool(path, value)
-        return value
+        return self._get(key, default, "a bool", check_bool)
 
     def get_str(self, key: str, *, default: str | None = None) -> str:
-        if default is not None and not self.has(key):
-            return default
-        value, path = self._require(key, "a string")
-        if not isinstance(value, str):
-            raise _fail(path, value, "a string")
-        return value
+        return self._get(key, default, "a string", _check_str)
 
     def rope(self, key: str, *, default: float | None = None) -> float:
         """``rope_theta``/``partial_rotary_factor``: top level, or in ``rope_parameters``."""
@@ -719,7 +704,7 @@ class _ConfigView:
         params = self.raw("rope_parameters")
         if isinstance(params, dict) and params.get(key) is not None:
             value = params[key]
-            _check_float(f"rope_parameters.{key}", value, positive=False)
+            check_float(f"rope_parameters.{key}", value, positive=False)
             return float(value)
         if default is not None:
             return default
@@ -731,11 +716,11 @@ class _ConfigView:
             if params is None:
                 continue
             if not isinstance(params, dict):
-                raise _fail(container, params, "a JSON object or null")
+                raise fail(container, params, "a JSON object or null")
             kind = params.get("rope_type", params.get("type"))
             if kind is not None:
                 if not isinstance(kind, str):
-                    raise _fail(f"{container}.rope_type", kind, "a string")
+                    raise fail(f"{container}.rope_type", kind, "a string")
                 return kind
         return "default"
 
@@ -748,28 +733,29 @@ def _fp8_block_size(view: _ConfigView) -> tuple[int, int] | None:
     if block is None:
         return None
     if not isinstance(block, list) or len(block) != 2:
-        raise _fail("quantization_config.weight_block_size", block, "[rows, cols]")
+        raise fail("quantization_config.weight_block_size", block, "[rows, cols]")
     for size in block:
-        _check_int("quantization_config.weight_block_size", size, minimum=1)
+        check_int("quantization_config.weight_block_size", size, minimum=1)
     return (block[0], block[1])
 
 
 def _mtp_count(view: _ConfigView, key: str, *, default: int | None = None) -> int:
     count = view.get_int(key, minimum=0, default=default)
     if count < 1:
-        raise _fail(key, count, "at least 1 MTP module to build a drafter from")
+        raise fail(key, count, "at least 1 MTP module to build a drafter from")
     return count
 
 
 def _attention(view: _ConfigView, *, rotary_default: float) -> dict[str, Any]:
-    """Fields shared by the GQA families."""
+    """Fields every family reads alike, with the plain layer (non-zero-centred norms, no output
+    gate, ``concat[norm(e), norm(h)]``) that all but the Qwen family keep."""
     hidden = view.get_int("hidden_size", minimum=1)
     heads = view.get_int("num_attention_heads", minimum=1)
     if view.has("head_dim"):
         head_dim = view.get_int("head_dim", minimum=1)
     else:
         if hidden % heads:
-            raise _fail(
+            raise fail(
                 "num_attention_heads",
                 heads,
                 f"a divisor of hidden_size={hidden} when head_dim is absent",
@@ -788,6 +774,9 @@ def _attention(view: _ConfigView, *, rotary_default: float) -> dict[str, Any]:
         rms_norm_eps=view.get_float("rms_norm_eps"),
         max_position_embeddings=view.get_int("max_position_embeddings", minimum=1),
         tie_word_embeddings=view.get_bool("tie_word_embeddings", default=False),
+        zero_centered_norm=False,
+        attn_output_gate=False,
+        input_order=InputOrder.EMBED_FIRST,
     )
 
 
@@ -812,7 +801,6 @@ def _qwen_common(view: _ConfigView) -> dict[str, Any]:
         attn_output_gate=view.get_bool("attn_output_gate", default=True),
         qk_norm=True,
         mtp_use_dedicated_embeddings=view.get_bool("mtp_use_dedicated_embeddings", default=False),
-        input_order=InputOrder.EMBED_FIRST,
     )
 
 
@@ -860,7 +848,7 @@ def _scoring(view: _ConfigView, *, default: str) -> RouterScoring:
     try:
         return RouterScoring(name)
     except ValueError:
-        raise _fail("scoring_func", name, "'softmax' or 'sigmoid'") from None
+        raise fail("scoring_func", name, "'softmax' or 'sigmoid'") from None
 
 
 def _sigmoid_moe(view: _ConfigView, *, experts_key: str, correction_bias: bool) -> MoeConfig:
@@ -888,21 +876,12 @@ def _parse_deepseek_v3(view: _ConfigView, model_type: str) -> dict[str, Any]:
         qk_rope_head_dim=view.get_int("qk_rope_head_dim", minimum=1),
         v_head_dim=view.get_int("v_head_dim", minimum=1),
     )
-    heads = view.get_int("num_attention_heads", minimum=1)
     # The MTP layer sits past first_k_dense_replace, so its FFN is the routed MoE.
     return dict(
+        _attention(view, rotary_default=1.0),
         architecture=Architecture.DEEPSEEK_V3,
-        hidden_size=view.get_int("hidden_size", minimum=1),
-        vocab_size=view.get_int("vocab_size", minimum=1),
-        num_attention_heads=heads,
-        num_key_value_heads=view.get_int("num_key_value_heads", minimum=1, default=heads),
         head_dim=mla.qk_head_dim,
         partial_rotary_factor=mla.qk_rope_head_dim / mla.qk_head_dim,
-        rope_theta=view.rope("rope_theta"),
-        rope_type=view.rope_type(),
-        rms_norm_eps=view.get_float("rms_norm_eps"),
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=False,  # MLA normalises its latents (q_a/kv_a layernorms) instead
         attention_bias=view.get_bool("attention_bias", default=False),
         ffn=FfnKind.MOE,
@@ -913,10 +892,7 @@ def _parse_deepseek_v3(view: _ConfigView, model_type: str) -> dict[str, Any]:
         ),
         mla=mla,
         num_mtp_modules=_mtp_count(view, "num_nextn_predict_layers"),
-        input_order=InputOrder.EMBED_FIRST,
         zero_embedding_at_position_0=True,
-        max_position_embeddings=view.get_int("max_position_embeddings", minimum=1),
-        tie_word_embeddings=view.get_bool("tie_word_embeddings", default=False),
     )
 
 
@@ -927,14 +903,11 @@ def _parse_glm4_moe(view: _ConfigView, model_type: str) -> dict[str, Any]:
     return dict(
         _attention(view, rotary_default=0.5),
         architecture=Architecture.GLM4_MOE,
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=view.get_bool("use_qk_norm", default=False),
         attention_bias=view.get_bool("attention_bias", default=False),
         ffn=FfnKind.MOE,
         moe=_sigmoid_moe(view, experts_key=experts_key, correction_bias=True),
         num_mtp_modules=_mtp_count(view, "num_nextn_predict_layers"),
-        input_order=InputOrder.EMBED_FIRST,
         zero_embedding_at_position_0=True,
     )
 
@@ -944,8 +917,6 @@ def _parse_mimo(view: _ConfigView, model_type: str) -> dict[str, Any]:
     return dict(
         _attention(view, rotary_default=1.0),
         architecture=Architecture.MIMO,
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=False,
         attention_bias=True,
         ffn=FfnKind.DENSE,
@@ -958,7 +929,7 @@ def _parse_mimo(view: _ConfigView, model_type: str) -> dict[str, Any]:
 
 def _parse_minimax_m2(view: _ConfigView, model_type: str) -> dict[str, Any]:
     if not view.get_bool("use_mtp", default=False):
-        raise _fail("use_mtp", view.raw("use_mtp"), "true to build a drafter (no MTP declared)")
+        raise fail("use_mtp", view.raw("use_mtp"), "true to build a drafter (no MTP declared)")
     fields = _attention(view, rotary_default=1.0)
     if view.has("rotary_dim"):
         rotary = view.get_int("rotary_dim", minimum=1)
@@ -978,14 +949,11 @@ def _parse_minimax_m2(view: _ConfigView, model_type: str) -> dict[str, Any]:
     return dict(
         fields,
         architecture=Architecture.MINIMAX_M2,
-        zero_centered_norm=False,
-        attn_output_gate=False,
         qk_norm=view.get_bool("use_qk_norm", default=False),
         ffn=FfnKind.MOE,
         moe=moe,
         num_mtp_modules=_mtp_count(view, "num_mtp_modules"),
         mtp_layers_per_module=view.get_int("mtp_transformer_layers", minimum=1, default=1),
-        input_order=InputOrder.EMBED_FIRST,
     )
 
 

@@ -1,20 +1,10 @@
 """``python -m mtpjax demo``: speculative decoding with the shipped tiny pair, next to plain
-decoding with the target alone.
+decoding with the target alone (``DESCRIPTION`` is what it does and prints).
 
-The demo converts the shipped pair's MTP head with the checkpoint converter into a cache
-directory (``<cache-dir>/tiny_pair-<precision>-<hash of the source files>``, reused when
-present), loads the reference target from the shipped safetensors and the drafter from the
-converted checkpoint, tokenizes a prompt — by default a snippet of a Python standard-library file
-the pair never saw in training (``heldout_files.txt``) — and generates with and without
-speculation. It prints both continuations, the acceptance metrics, the target forwards saved,
-whether the two outputs are identical (they must be under greedy decoding), and the speed of
-both runs on the device: the first call of each (compilation included) timed apart, then
-steady-state tokens per second and the speed-up. The pair is a small demonstration model, so
-that speed-up says little about a real model, whose target forward costs far more than a draft.
-
-The drafter reads the converted head (embedding and LM head at the chosen precision, as a
-quantised checkpoint ships them); the target verifies with its own BF16 head, so a quantised
-drafter can change only how many drafts are accepted, never the output.
+The MTP head is converted into ``<cache-dir>/tiny_pair-<precision>-<hash of the source files>``
+and reused from there. The drafter reads the converted head (embedding and LM head at the chosen
+precision, as a quantised checkpoint ships them); the target verifies with its own BF16 head, so
+a quantised drafter can change only how many drafts are accepted, never the output.
 """
 
 from __future__ import annotations

@@ -27,20 +27,17 @@ K/V of positions ``< n``):
 4. the next propose's window is the verify's own output: tokens ``[d_1 .. d_a, b]`` with the
    verify hidden at positions ``n .. n+a`` (``start = n``, ``count = a + 1``).
 
-Exactness and the row window. Greedy speculative decoding equals greedy decoding with the target
-alone only if the target scores a position identically in a ``K+1``-token verify step and in a
-one-token decode step. On XLA:CPU it does not, bit for bit: the summation order of a dot, of a
-last-axis reduction (RMSNorm) and of the attention einsum depends on the shape of the call (on the
-reference target a position's hidden differs by ~1e-6 between a ``[B, 1]`` and a ``[B, 4]``
-step). Within one fixed shape, though, a row's result does not depend on its index in the window
-(checked on the reference target for B = 1, 3, 8 and windows of 2..5 rows). So
-``generate_baseline`` takes ``step_width``: each decode step runs the target over a window of
-that many rows, the token in row 0 and padding after it, which causal attention keeps out of
-row 0. With ``step_width = num_drafts + 1`` (and the same batch and cache length, which both
-functions derive the same way) every target call of the two runs has the same shape, so the
-outputs agree token for token by construction rather than by argmax margins. (With
-``step_width = 1`` the ~1e-6 differences have not flipped an argmax on the shipped pair either,
-but nothing guarantees it.) The LM head pads rows itself (``mtpjax.head``).
+Exactness and the row window. Greedy speculation equals greedy decoding with the target alone
+only if the target scores a position identically in a ``K+1``-row verify step and in a one-row
+decode step. On XLA:CPU it does not, bit for bit: the summation order of a dot, of RMSNorm and
+of the attention einsum depends on the call's shape (~1e-6 on the reference target's hidden
+between ``[B, 1]`` and ``[B, 4]`` steps), while within one shape a row's result does not depend
+on its index in the window (checked for B = 1, 3, 8 and windows of 2..5 rows). So
+``generate_baseline`` runs each decode step over ``step_width`` rows, the token in row 0 and
+padding after it (causal attention keeps it out of row 0). With ``step_width = num_drafts + 1``
+every target call of the two runs has the same shape (both derive batch and cache length the
+same way), so the outputs agree token for token by construction, not by argmax margins. The LM
+head pads rows itself (``mtpjax.head``).
 
 Shapes: ``[B]`` sequences, ``[T]`` padded prompt width, ``[N]`` max_new_tokens, ``[K]`` drafts
 per round, ``[W]`` target rows per step (``K + 1`` for speculation), ``H`` hidden, ``V`` vocab,
@@ -84,11 +81,7 @@ __all__ = [
 # The target as a function argument.
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["params"],
-    meta_fields=["init_cache", "prefill", "step"],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetModel:
     """A target model as the generation loop sees it.
@@ -110,9 +103,9 @@ class TargetModel:
     """
 
     params: Any
-    init_cache: Callable[[int, int], Any]
-    prefill: Callable[..., tuple[jax.Array, Any]]
-    step: Callable[..., tuple[jax.Array, Any]]
+    init_cache: Callable[[int, int], Any] = dataclasses.field(metadata=dict(static=True))
+    prefill: Callable[..., tuple[jax.Array, Any]] = dataclasses.field(metadata=dict(static=True))
+    step: Callable[..., tuple[jax.Array, Any]] = dataclasses.field(metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -124,26 +117,17 @@ class _ReferenceInitCache:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _ReferencePrefill:
+class _ReferenceCall:
+    """``reference.target_prefill`` (lengths) or ``target_step`` (start) on ``(params, head)``."""
+
+    fn: Callable[..., tuple[jax.Array, reference.TargetCache]]
     cfg: reference.TargetConfig
     implementation: Implementation
 
-    def __call__(self, params, cache, tokens, lengths):
+    def __call__(self, params, cache, tokens, where):
         target, head = params
-        return reference.target_prefill(
-            target, head, cache, tokens, lengths, cfg=self.cfg, implementation=self.implementation
-        )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _ReferenceStep:
-    cfg: reference.TargetConfig
-    implementation: Implementation
-
-    def __call__(self, params, cache, tokens, start):
-        target, head = params
-        return reference.target_step(
-            target, head, cache, tokens, start, cfg=self.cfg, implementation=self.implementation
+        return self.fn(
+            target, head, cache, tokens, where, cfg=self.cfg, implementation=self.implementation
         )
 
 
@@ -162,8 +146,8 @@ def reference_target(
     return TargetModel(
         params=(params, head),
         init_cache=_ReferenceInitCache(cfg=cfg),
-        prefill=_ReferencePrefill(cfg=cfg, implementation=implementation),
-        step=_ReferenceStep(cfg=cfg, implementation=implementation),
+        prefill=_ReferenceCall(fn=reference.target_prefill, cfg=cfg, implementation=implementation),
+        step=_ReferenceCall(fn=reference.target_step, cfg=cfg, implementation=implementation),
     )
 
 
@@ -171,11 +155,7 @@ def reference_target(
 # Output.
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["tokens", "lengths", "metrics", "target_steps", "active_steps", "kv_error"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerateOutput:
     """What one generation call returns (device arrays; nothing is read back).
@@ -312,11 +292,7 @@ def _take_rows(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx, axis=1)[:, 0]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["tokens", "num_generated", "done"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Output:
     """The growing output: tokens int32[B, N] (-1 unwritten), num_generated int32[B], done
@@ -357,15 +333,24 @@ def _commit(out: _Output, new: jax.Array, count: jax.Array, eos_id: int | None) 
     )
 
 
-def _prefill(target, head, prompts, lengths, *, head_cfg, max_len, temperature, key, impl):
-    """Target prefill and the first token. Returns (hidden [B, T, H], cache, first int32[B])."""
-    B = prompts.shape[0]
-    cache = target.init_cache(B, max_len)
-    hidden, cache = target.prefill(target.params, cache, prompts, lengths)
-    chex.assert_rank(hidden, 3)
-    h_last = _take_rows(hidden, lengths - 1)  # [B, H]
-    logits = lm_head(head, h_last, cfg=head_cfg, implementation=impl)
-    return hidden, cache, _pick(logits, temperature, key)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Loop:
+    """Loop carry of both loops. position int32[B]: position n of the newest committed token
+    ``last`` int32[B] (the target's cache holds positions < n); steps int32[], active_steps
+    int32[B]. Speculation only: the drafter ``state``, ``pairs`` (the next propose's window,
+    width W) and the running ``metrics``; None for plain decoding."""
+
+    cache: Any
+    position: jax.Array
+    last: jax.Array
+    out: _Output
+    key: jax.Array | None
+    steps: jax.Array
+    active_steps: jax.Array
+    state: drafter_lib.DrafterState | None = None
+    pairs: Pairs | None = None
+    metrics: SpecDecodeMetrics | None = None
 
 
 def _kv_precision(params: DrafterParams) -> str:
@@ -375,41 +360,7 @@ def _kv_precision(params: DrafterParams) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# Speculative generation.
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "cache",
-        "state",
-        "pairs",
-        "position",
-        "last",
-        "out",
-        "metrics",
-        "key",
-        "steps",
-        "active_steps",
-    ],
-    meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _SpecLoop:
-    """Loop carry. position int32[B]: position n of the newest committed token ``last``
-    int32[B] (the target's cache holds positions < n); pairs: the next propose's window
-    (width W); steps int32[], active_steps int32[B]."""
-
-    cache: Any
-    state: drafter_lib.DrafterState
-    pairs: Pairs
-    position: jax.Array
-    last: jax.Array
-    out: _Output
-    metrics: SpecDecodeMetrics
-    key: jax.Array | None
-    steps: jax.Array
-    active_steps: jax.Array
+# The loop.
 
 
 @functools.partial(
@@ -418,7 +369,7 @@ class _SpecLoop:
         "drafter_cfg",
         "head_cfg",
         "max_new_tokens",
-        "num_drafts",
+        "step_width",
         "eos_id",
         "hidden_contract",
         "refeed",
@@ -427,41 +378,70 @@ class _SpecLoop:
 )
 def _generate(
     target: TargetModel,
-    drafter: DrafterParams,
+    drafter: DrafterParams | None,
     head: LMHeadParams,
-    drafter_head: LMHeadParams,
+    drafter_head: LMHeadParams | None,
     prompts: jax.Array,
     lengths: jax.Array,
     temperature: jax.Array,
     key: jax.Array | None,
     *,
-    drafter_cfg: DrafterConfig,
+    drafter_cfg: DrafterConfig | None,
     head_cfg: LMHeadConfig,
     max_new_tokens: int,
-    num_drafts: int,
+    step_width: int,
     eos_id: int | None,
     hidden_contract: HiddenContract,
     refeed: bool,
     implementation: str,
 ) -> GenerateOutput:
+    """Both loops: speculation with ``K = step_width - 1`` drafts per round, or plain decoding
+    when ``drafter`` is None."""
     prompts, lengths = _prompt_rows(prompts, lengths, head_cfg.vocab_size)
     B, T = prompts.shape
-    K, N = num_drafts, max_new_tokens
-    W = K + 1
-    max_len = cache_length(T, N, W)
+    N, W = max_new_tokens, step_width
+    K = W - 1
     key, first_key = _split(key)
-    hidden, cache, first = _prefill(
-        target,
-        head,
-        prompts,
-        lengths,
-        head_cfg=head_cfg,
-        max_len=max_len,
-        temperature=temperature,
-        key=first_key,
-        impl=implementation,
-    )
+    max_len = cache_length(T, N, W)
+    cache = target.init_cache(B, max_len)
+    hidden, cache = target.prefill(target.params, cache, prompts, lengths)
+    chex.assert_rank(hidden, 3)
     H = hidden.shape[-1]
+    h_last = _take_rows(hidden, lengths - 1)  # [B, H]
+    logits = lm_head(head, h_last, cfg=head_cfg, implementation=implementation)
+    first = _pick(logits, temperature, first_key)
+    loop = _Loop(
+        cache=cache,
+        position=lengths,
+        last=first,
+        out=_start_output(first, N, eos_id),
+        key=key,
+        steps=jnp.zeros((), jnp.int32),
+        active_steps=jnp.zeros((B,), jnp.int32),
+    )
+    if drafter is None:  # plain decoding
+        padding = jnp.zeros((B, W - 1), jnp.int32)
+
+        def plain_step(c: _Loop) -> _Loop:
+            active = ~c.out.done
+            window = jnp.concatenate([c.last[:, None], padding], axis=1)  # [B, W]
+            hidden, cache = target.step(target.params, c.cache, window, c.position)
+            logits = lm_head(head, hidden[:, 0], cfg=head_cfg, implementation=implementation)
+            key, sub = _split(c.key)
+            token = _pick(logits, temperature, sub)
+            count = active.astype(jnp.int32)
+            return dataclasses.replace(
+                c,
+                cache=cache,
+                position=c.position + count,
+                last=jnp.where(active, token, c.last),
+                out=_commit(c.out, token[:, None], count, eos_id),
+                key=key,
+                steps=c.steps + 1,
+                active_steps=c.active_steps + count,
+            )
+
+        return _run(plain_step, loop)
 
     # The drafter's rows of the prompt: pairs (t_{i+1}, h_i) for i = 0 .. P-2.
     pool = drafter_lib.pool_config(
@@ -488,25 +468,14 @@ def _generate(
     # The first window: the anchor (t_P, h_{P-1}) alone.
     pad = ((0, 0), (0, W - 1))
     pairs = Pairs(
-        tokens=jnp.pad(first[:, None], pad),
-        hidden=jnp.pad(_take_rows(hidden, lengths - 1)[:, None], (*pad, (0, 0))),
+        tokens=jnp.pad(loop.last[:, None], pad),
+        hidden=jnp.pad(h_last[:, None], (*pad, (0, 0))),
         count=jnp.ones((B,), jnp.int32),
         start=lengths - 1,
     )
-    loop = _SpecLoop(
-        cache=cache,
-        state=state,
-        pairs=pairs,
-        position=lengths,
-        last=first,
-        out=_start_output(first, N, eos_id),
-        metrics=metrics_lib.empty(K),
-        key=key,
-        steps=jnp.zeros((), jnp.int32),
-        active_steps=jnp.zeros((B,), jnp.int32),
-    )
+    loop = dataclasses.replace(loop, state=state, pairs=pairs, metrics=metrics_lib.empty(K))
 
-    def round_(c: _SpecLoop) -> _SpecLoop:
+    def round_(c: _Loop) -> _Loop:
         active = ~c.out.done
         drafts, state = drafter_lib.propose(
             drafter,
@@ -536,7 +505,7 @@ def _generate(
         )
         count = result.num_output  # 0 for finished sequences
         new = jnp.maximum(result.output_tokens, 0)  # [B, W], -1 padding -> a valid id
-        return _SpecLoop(
+        return _Loop(
             cache=cache,
             state=state,
             pairs=Pairs(tokens=new, hidden=verify_hidden, count=count, start=c.position),
@@ -549,6 +518,11 @@ def _generate(
             active_steps=c.active_steps + active.astype(jnp.int32),
         )
 
+    return _run(round_, loop)
+
+
+def _run(round_: Callable[[_Loop], _Loop], loop: _Loop) -> GenerateOutput:
+    """Runs ``round_`` until every sequence is done."""
     loop = jax.lax.while_loop(lambda c: jnp.any(~c.out.done), round_, loop)
     return GenerateOutput(
         tokens=loop.out.tokens,
@@ -556,7 +530,7 @@ def _generate(
         metrics=loop.metrics,
         target_steps=loop.steps,
         active_steps=loop.active_steps,
-        kv_error=loop.state.error,
+        kv_error=jnp.zeros_like(loop.position) if loop.state is None else loop.state.error,
     )
 
 
@@ -630,104 +604,11 @@ def generate(
         drafter_cfg=drafter_cfg,
         head_cfg=head_cfg,
         max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
-        num_drafts=_check_static_int("num_drafts", num_drafts, 1),
+        step_width=_check_static_int("num_drafts", num_drafts, 1) + 1,
         eos_id=_check_eos(eos_id, head_cfg.vocab_size),
         hidden_contract=contract,
         refeed=refeed,
         implementation=Implementation.parse(implementation).value,
-    )
-
-
-# ------------------------------------------------------------------------------------------
-# Plain decoding.
-
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["cache", "position", "last", "out", "key", "steps", "active_steps"],
-    meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _PlainLoop:
-    cache: Any
-    position: jax.Array
-    last: jax.Array
-    out: _Output
-    key: jax.Array | None
-    steps: jax.Array
-    active_steps: jax.Array
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("head_cfg", "max_new_tokens", "step_width", "eos_id", "implementation"),
-)
-def _generate_baseline(
-    target: TargetModel,
-    head: LMHeadParams,
-    prompts: jax.Array,
-    lengths: jax.Array,
-    temperature: jax.Array,
-    key: jax.Array | None,
-    *,
-    head_cfg: LMHeadConfig,
-    max_new_tokens: int,
-    step_width: int,
-    eos_id: int | None,
-    implementation: str,
-) -> GenerateOutput:
-    prompts, lengths = _prompt_rows(prompts, lengths, head_cfg.vocab_size)
-    B, T = prompts.shape
-    N, W = max_new_tokens, step_width
-    key, first_key = _split(key)
-    _, cache, first = _prefill(
-        target,
-        head,
-        prompts,
-        lengths,
-        head_cfg=head_cfg,
-        max_len=cache_length(T, N, W),
-        temperature=temperature,
-        key=first_key,
-        impl=implementation,
-    )
-    loop = _PlainLoop(
-        cache=cache,
-        position=lengths,
-        last=first,
-        out=_start_output(first, N, eos_id),
-        key=key,
-        steps=jnp.zeros((), jnp.int32),
-        active_steps=jnp.zeros((B,), jnp.int32),
-    )
-    padding = jnp.zeros((B, W - 1), jnp.int32)
-
-    def step(c: _PlainLoop) -> _PlainLoop:
-        active = ~c.out.done
-        window = jnp.concatenate([c.last[:, None], padding], axis=1)  # [B, W]
-        hidden, cache = target.step(target.params, c.cache, window, c.position)
-        logits = lm_head(head, hidden[:, 0], cfg=head_cfg, implementation=implementation)
-        key, sub = _split(c.key)
-        token = _pick(logits, temperature, sub)
-        count = active.astype(jnp.int32)
-        return _PlainLoop(
-            cache=cache,
-            position=c.position + count,
-            last=jnp.where(active, token, c.last),
-            out=_commit(c.out, token[:, None], count, eos_id),
-            key=key,
-            steps=c.steps + 1,
-            active_steps=c.active_steps + count,
-        )
-
-    loop = jax.lax.while_loop(lambda c: jnp.any(~c.out.done), step, loop)
-    return GenerateOutput(
-        tokens=loop.out.tokens,
-        lengths=loop.out.num_generated,
-        metrics=None,
-        target_steps=loop.steps,
-        active_steps=loop.active_steps,
-        kv_error=jnp.zeros((B,), jnp.int32),
     )
 
 
@@ -762,16 +643,21 @@ def generate_baseline(
     _check_target(target)
     prompts, lengths = _check_prompts(prompts, lengths, head_cfg.vocab_size)
     temperature, key = check_temperature(temperature, key)
-    return _generate_baseline(
+    return _generate(
         target,
+        None,
         head,
+        None,
         prompts,
         lengths,
         temperature,
         key,
+        drafter_cfg=None,
         head_cfg=head_cfg,
         max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
         step_width=_check_static_int("step_width", step_width, 1),
         eos_id=_check_eos(eos_id, head_cfg.vocab_size),
+        hidden_contract=HiddenContract.POST_NORM,
+        refeed=False,
         implementation=Implementation.parse(implementation).value,
     )

@@ -21,10 +21,8 @@ Output directory:
                   conversion runs so the process never holds more than one group at a time
                   (orbax copies what it saves); each tensor's record names its group.
 
-The output is written to a temporary directory beside ``out`` and renamed into place. A failed or
-interrupted (SIGINT, SIGTERM) conversion removes it and every parent directory it created, so
-nothing is left behind; an existing ``out`` is refused unless ``force``, and then replaced only
-once the new one is complete; an ``out`` that is, holds or lies inside the source is refused.
+The output is staged beside ``out`` and renamed into place (``_Staging``), so a failed or
+interrupted conversion leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -118,17 +116,9 @@ class TensorRecord:
     sha256: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "sources": list(self.sources),
-            "source_format": self.source_format,
-            "format": self.format,
-            "shape": list(self.shape),
-            "leaves": {k: {"dtype": d, "shape": list(s)} for k, (d, s) in self.leaves.items()},
-            "group": self.group,
-            "sha256": dict(self.sha256),
-        }
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        leaves = {k: {"dtype": d, "shape": list(s)} for k, (d, s) in self.leaves.items()}
+        return data | dict(sources=list(self.sources), shape=list(self.shape), leaves=leaves)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TensorRecord:
@@ -202,6 +192,9 @@ def _leaf_record(a: Any) -> tuple[str, tuple[int, ...]]:
     return (np.dtype(a.dtype).name, tuple(int(d) for d in np.shape(a)))
 
 
+_NVFP4_NOTE = " (logical; NVFP4 packs 2 codes per byte)"
+
+
 def _shape_error(
     name: str, file: str, expected: tuple[int, ...], what: str, found: Any, note: str = ""
 ) -> CheckpointError:
@@ -227,11 +220,7 @@ def _convert_weight_entry(
     if entry.assembly is Assembly.SINGLE:
         src = detect(ckpt, entry.sources[0])
         if expected is not None and tuple(src.shape) != expected:
-            note = (
-                " (logical; NVFP4 packs 2 codes per byte)"
-                if src.format is SourceFormat.NVFP4
-                else ""
-            )
+            note = _NVFP4_NOTE if src.format is SourceFormat.NVFP4 else ""
             raise _shape_error(
                 src.name, src.weight.file.name, expected, entry.what, src.shape, note
             )
@@ -277,36 +266,28 @@ def _convert_entry(
 ) -> tuple[Any, TensorRecord]:
     if entry.kind is EntryKind.WEIGHT:
         fmt = _weight_format(entry, cfg, target, head_target)
-        w, source_format = _convert_weight_entry(ckpt, entry, fmt)
-        leaves = weight_leaves(w)
-        record = TensorRecord(
-            name=entry.name,
-            kind=entry.kind.value,
-            sources=entry.sources,
-            source_format=source_format,
-            format=w.format.value,
-            shape=tuple(w.shape),
-            leaves={k: _leaf_record(v) for k, v in leaves.items()},
-        )
-        return w, record
-    name = entry.sources[0]
-    info = ckpt.info(name)
-    if entry.shape is not None and info.shape != entry.shape:
-        note = " (logical; NVFP4 packs 2 codes per byte)" if info.dtype == "U8" else ""
-        raise _shape_error(name, info.file.name, entry.shape, entry.what, info.shape, note)
-    if entry.kind is EntryKind.EMBEDDING:
-        value = read_embedding(ckpt, name)
+        value, source_format = _convert_weight_entry(ckpt, entry, fmt)
+        stored_format = value.format.value
     else:
-        check_dtype(info, "norm, bias or other array")
-        value = ckpt.read(name)
+        name = entry.sources[0]
+        info = ckpt.info(name)
+        if entry.shape is not None and info.shape != entry.shape:
+            note = _NVFP4_NOTE if info.dtype == "U8" else ""
+            raise _shape_error(name, info.file.name, entry.shape, entry.what, info.shape, note)
+        if entry.kind is EntryKind.EMBEDDING:
+            value = read_embedding(ckpt, name)
+        else:
+            check_dtype(info, "norm, bias or other array")
+            value = ckpt.read(name)
+        source_format, stored_format = info.dtype.lower(), None
     record = TensorRecord(
         name=entry.name,
         kind=entry.kind.value,
         sources=entry.sources,
-        source_format=info.dtype.lower(),
-        format=None,
+        source_format=source_format,
+        format=stored_format,
         shape=tuple(value.shape),
-        leaves={ARRAY_LEAF: _leaf_record(value)},
+        leaves={k: _leaf_record(v) for k, v in _stored_leaves(value).items()},
     )
     return value, record
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -107,12 +108,7 @@ _NATIVE = {
     SourceFormat.NVFP4: WeightFormat.NVFP4,
 }
 
-_WEIGHT_CLASSES: dict[WeightFormat, type] = {
-    WeightFormat.BF16: Bf16Weight,
-    WeightFormat.FP8: Fp8RowWeight,
-    WeightFormat.FP8_BLOCK: Fp8BlockWeight,
-    WeightFormat.NVFP4: Nvfp4Weight,
-}
+_WEIGHT_CLASSES = {c.format: c for c in (Bf16Weight, Fp8RowWeight, Fp8BlockWeight, Nvfp4Weight)}
 
 
 def weight_class(fmt: WeightFormat) -> type:
@@ -195,13 +191,13 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
     def fail(what: str) -> CheckpointError:
         return CheckpointError(f"{name} ({info.file.name}): {what}")
 
+    found = functools.partial(SourceWeight, name=name, weight=info)
+
     if len(info.shape) < 2:
         raise fail(f"expected a [N, K] projection, found shape {_shape(info)}")
     *lead, n, k = info.shape
     if info.dtype in FLOAT_DTYPES:
-        return SourceWeight(
-            name=name, weight=info, format=SourceFormat(info.dtype.lower()), shape=info.shape
-        )
+        return found(format=SourceFormat(info.dtype.lower()), shape=info.shape)
     if info.dtype == "F8_E4M3":
         scale_inv = companion("_scale_inv")
         if scale_inv is not None:
@@ -213,13 +209,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                     f"{_shape(info)} (other block sizes are not supported)"
                 )
             check_dtype(scale_inv, "weight scale")
-            return SourceWeight(
-                name=name,
-                weight=info,
-                format=SourceFormat.FP8_BLOCK,
-                scale=scale_inv,
-                shape=info.shape,
-            )
+            return found(format=SourceFormat.FP8_BLOCK, scale=scale_inv, shape=info.shape)
         scale = companion("_scale")
         if scale is None:
             raise fail(
@@ -236,7 +226,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                 f"FP8 scale {name}_scale has shape {_shape(scale)}; expected [{n}] or [{n}, 1] "
                 "(per row) or [] (per tensor)"
             )
-        return SourceWeight(name=name, weight=info, format=fmt, scale=scale, shape=info.shape)
+        return found(format=fmt, scale=scale, shape=info.shape)
     if info.dtype == "U8":
         scale, scale_2 = companion("_scale"), companion("_scale_2")
         if scale is None or scale_2 is None:
@@ -256,14 +246,7 @@ def detect(ckpt: SafetensorsCheckpoint, name: str) -> SourceWeight:
                 f"NVFP4 global scale {name}_scale_2 is {scale_2.dtype}{_shape(scale_2)}, "
                 "expected one F32 value per matrix"
             )
-        return SourceWeight(
-            name=name,
-            weight=info,
-            format=SourceFormat.NVFP4,
-            scale=scale,
-            scale_2=scale_2,
-            shape=logical,
-        )
+        return found(format=SourceFormat.NVFP4, scale=scale, scale_2=scale_2, shape=logical)
     raise fail(
         f"weight dtype {info.dtype} is not a projection format this converter reads "
         "(BF16/F16/F32, F8_E4M3 with a scale, or NVFP4 U8 with E4M3 scales)"
@@ -307,9 +290,7 @@ def read_native(ckpt: SafetensorsCheckpoint, src: SourceWeight) -> Weight:
     Float sources come back as BF16 (F16/F32 rounded to nearest even, row chunk by row chunk).
     """
     if src.format in _FLOAT_SOURCES:
-        if src.format is SourceFormat.BF16:
-            return Bf16Weight(w=ckpt.read(src.name))
-        return _requantize_rows(_float_rows(ckpt, src), src, WeightFormat.BF16)
+        return convert_weight(ckpt, src, WeightFormat.BF16)
     w = ckpt.read(src.name)
     if src.format is SourceFormat.FP8_BLOCK:
         return Fp8BlockWeight(q=w, scale_inv=_as_f32(ckpt, src.scale))
@@ -328,17 +309,17 @@ def _to_numpy(w: Weight) -> Weight:
     return type(w)(**leaves)
 
 
+def _row_span(leaf: str, r0: int, r1: int) -> slice:
+    """The slice of leaf ``leaf`` that holds rows ``[r0, r1)`` of a 2-D weight (``scale_inv``
+    has one row per 128-row tile, so a block-128 ``r0`` must be a multiple of 128)."""
+    div = FP8_BLOCK if leaf == "scale_inv" else 1
+    return slice(r0 // div, -(-r1 // div))
+
+
 def _rows_of(w: Weight, r0: int, r1: int) -> Weight:
-    """Rows ``[r0, r1)`` of a 2-D weight (block-128 weights: ``r0`` a multiple of 128)."""
-    if isinstance(w, Bf16Weight):
-        return Bf16Weight(w=w.w[r0:r1])
-    if isinstance(w, Fp8RowWeight):
-        return Fp8RowWeight(q=w.q[r0:r1], scale=w.scale[r0:r1])
-    if isinstance(w, Fp8BlockWeight):
-        return Fp8BlockWeight(
-            q=w.q[r0:r1], scale_inv=w.scale_inv[r0 // FP8_BLOCK : -(-r1 // FP8_BLOCK)]
-        )
-    return Nvfp4Weight(packed=w.packed[r0:r1], scale=w.scale[r0:r1], scale_2=w.scale_2)
+    """Rows ``[r0, r1)`` of a 2-D weight (NVFP4's scalar ``scale_2`` is shared by all rows)."""
+    leaves = weight_leaves(w)
+    return type(w)(**{k: v if v.ndim == 0 else v[_row_span(k, r0, r1)] for k, v in leaves.items()})
 
 
 RowReader = Callable[[int, int], np.ndarray]  # (r0, r1) -> f32[r1 - r0, K]
@@ -408,12 +389,10 @@ def _requantize_rows(
             if leaf.ndim == 0:  # NVFP4 scale_2: the same for every chunk, by construction
                 out[name] = leaf
                 continue
-            div = FP8_BLOCK if name == "scale_inv" else 1
-            lo, hi = r0 // div, -(-r1 // div)
+            span = _row_span(name, r0, r1)
             if name not in out:
-                total = -(-n // div)
-                out[name] = np.empty((total, *leaf.shape[1:]), leaf.dtype)
-            out[name][lo:hi] = leaf[: hi - lo]
+                out[name] = np.empty((_row_span(name, 0, n).stop, *leaf.shape[1:]), leaf.dtype)
+            out[name][span] = leaf[: span.stop - span.start]
     return weight_class(fmt)(**out)
 
 

@@ -25,7 +25,6 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +139,6 @@ class SafetensorsFile:
         self.path = Path(path)
         self._fd: int | None = None
         self.tensors: dict[str, TensorInfo] = {}
-        self.metadata: dict[str, str] = {}
         self._parse()
 
     def _fail(self, what: str) -> CheckpointError:
@@ -181,9 +179,7 @@ class SafetensorsFile:
             ) from None
         if not isinstance(header, dict):
             raise self._fail("corrupt safetensors header (not a JSON object)")
-        meta = header.pop("__metadata__", None)
-        if isinstance(meta, dict):
-            self.metadata = {str(k): str(v) for k, v in meta.items()}
+        header.pop("__metadata__", None)
         data_start, data_size = 8 + n, size - 8 - n
         for name, entry in header.items():
             self.tensors[name] = self._entry(name, entry, data_start, data_size)
@@ -399,29 +395,27 @@ class SafetensorsCheckpoint:
             f = self._files[shard] = SafetensorsFile(path)
         return f
 
-    def info(self, name: str) -> TensorInfo:
+    def _owner(self, name: str) -> SafetensorsFile:
+        """The shard holding ``name``; naming the index and the shard when it lacks the tensor."""
         shard = self.shard_of(name)
         f = self._file(shard)
-        info = f.tensors.get(name)
-        if info is None:
+        if name not in f.tensors:
             raise CheckpointError(
                 f"{self.directory / self.source} maps {name!r} to {shard!r}, but that file has "
                 "no such tensor"
             )
-        return info
+        return f
+
+    def info(self, name: str) -> TensorInfo:
+        return self._owner(name).tensors[name]
 
     def read(self, name: str) -> np.ndarray:
         """The whole tensor ``name`` (a fresh numpy buffer)."""
-        self.info(name)  # names the index and the shard when the tensor is missing
-        return self._file(self.shard_of(name)).read(name)
+        return self._owner(name).read(name)
 
     def read_flat(self, name: str, start: int, out: np.ndarray) -> np.ndarray:
         """Part of tensor ``name`` read into ``out`` (see ``SafetensorsFile.read_flat``)."""
-        self.info(name)
-        return self._file(self.shard_of(name)).read_flat(name, start, out)
-
-    def iter_files(self) -> Iterator[SafetensorsFile]:
-        yield from self._files.values()
+        return self._owner(name).read_flat(name, start, out)
 
     def close(self) -> None:
         for f in self._files.values():

@@ -98,14 +98,12 @@ def save_hf(
     if drafter is not None:
         if drafter.embed_tokens is not None:
             raise ValueError("a dedicated MTP embedding is not part of this layout")
-        tensors.update(
-            {
-                "mtp.fc.weight": _bf16_matrix(drafter.fc, "mtp", "fc"),
-                "mtp.pre_fc_norm_embedding.weight": drafter.pre_fc_norm_embedding,
-                "mtp.pre_fc_norm_hidden.weight": drafter.pre_fc_norm_hidden,
-                "mtp.norm.weight": drafter.norm,
-            }
-        )
+        tensors |= {
+            "mtp.fc.weight": _bf16_matrix(drafter.fc, "mtp", "fc"),
+            "mtp.pre_fc_norm_embedding.weight": drafter.pre_fc_norm_embedding,
+            "mtp.pre_fc_norm_hidden.weight": drafter.pre_fc_norm_hidden,
+            "mtp.norm.weight": drafter.norm,
+        }
         tensors.update(_layer_tensors(drafter.layer, "mtp.layers.0"))
     tensors = {k: jnp.asarray(v).astype(jnp.bfloat16) for k, v in tensors.items()}
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -31,7 +31,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mtpjax.config import DrafterConfig, KeywordOnly, LMHeadConfig, configs_by_name, load_hf_config
+from mtpjax.config import (
+    DrafterConfig,
+    KeywordOnly,
+    LMHeadConfig,
+    check_bool,
+    check_divides,
+    check_float,
+    check_int,
+    configs_by_name,
+    fail,
+    load_hf_config,
+)
 from mtpjax.head import LMHeadParams, embed
 from mtpjax.layers import (
     AttentionParams,
@@ -58,25 +69,6 @@ __all__ = [
 ]
 
 _COMPUTE_DTYPES = ("float32", "bfloat16")
-
-
-def _fail(key: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"{key}={value!r}: expected {expected}")
-
-
-def _check_int(key: str, value: Any, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise _fail(key, value, f"an integer >= {minimum}")
-
-
-def _check_float(key: str, value: Any) -> None:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise _fail(key, value, "a finite number > 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -117,34 +109,23 @@ class TargetConfig(KeywordOnly):
             "vocab_size",
             "max_position_embeddings",
         ):
-            _check_int(key, getattr(self, key), minimum=1)
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise _fail(
-                "num_key_value_heads",
-                self.num_key_value_heads,
-                f"a divisor of num_attention_heads={self.num_attention_heads}",
-            )
-        _check_float("partial_rotary_factor", self.partial_rotary_factor)
+            check_int(key, getattr(self, key), minimum=1)
+        check_divides(self, "num_key_value_heads", "num_attention_heads")
+        check_float("partial_rotary_factor", self.partial_rotary_factor)
         if self.partial_rotary_factor > 1:
-            raise _fail("partial_rotary_factor", self.partial_rotary_factor, "a value in (0, 1]")
+            raise fail("partial_rotary_factor", self.partial_rotary_factor, "a value in (0, 1]")
         if self.rotary_dim < 2 or self.rotary_dim % 2:
-            raise _fail(
+            raise fail(
                 "partial_rotary_factor",
                 self.partial_rotary_factor,
                 f"a factor giving an even rotary dim >= 2 for head_dim={self.head_dim}",
             )
-        _check_float("rope_theta", self.rope_theta)
-        _check_float("rms_norm_eps", self.rms_norm_eps)
-        for key in (
-            "zero_centered_norm",
-            "attn_output_gate",
-            "qk_norm",
-            "tie_word_embeddings",
-        ):
-            if not isinstance(getattr(self, key), bool):
-                raise _fail(key, getattr(self, key), "a bool")
+        check_float("rope_theta", self.rope_theta)
+        check_float("rms_norm_eps", self.rms_norm_eps)
+        for key in ("zero_centered_norm", "attn_output_gate", "qk_norm", "tie_word_embeddings"):
+            check_bool(key, getattr(self, key))
         if self.compute_dtype not in _COMPUTE_DTYPES:
-            raise _fail("compute_dtype", self.compute_dtype, f"one of {_COMPUTE_DTYPES}")
+            raise fail("compute_dtype", self.compute_dtype, f"one of {_COMPUTE_DTYPES}")
 
     @property
     def rotary_dim(self) -> int:
@@ -244,7 +225,7 @@ class TargetConfig(KeywordOnly):
         raw = load_hf_config(config)
         model_type = raw.get("model_type")
         if model_type != "qwen3_next":
-            raise _fail("model_type", model_type, "'qwen3_next' for the reference target")
+            raise fail("model_type", model_type, "'qwen3_next' for the reference target")
 
         def need(key: str) -> Any:
             if raw.get(key) is None:
@@ -256,14 +237,14 @@ class TargetConfig(KeywordOnly):
         if layer_types is not None:
             bad = sorted({t for t in layer_types if t != "full_attention"})
             if bad or len(layer_types) != layers:
-                raise _fail(
+                raise fail(
                     "layer_types",
                     layer_types,
                     f"{layers} entries, all 'full_attention' (the reference target has no "
                     "linear-attention layers)",
                 )
         elif raw.get("full_attention_interval", 4) != 1:
-            raise _fail(
+            raise fail(
                 "full_attention_interval",
                 raw.get("full_attention_interval", 4),
                 "1 (every layer full attention) when layer_types is absent",
@@ -271,7 +252,7 @@ class TargetConfig(KeywordOnly):
         experts = raw.get("num_experts", 0) or 0
         mlp_only = set(raw.get("mlp_only_layers") or [])
         if experts > 0 and not set(range(layers)) <= mlp_only:
-            raise _fail(
+            raise fail(
                 "num_experts",
                 experts,
                 "0, or every layer in mlp_only_layers (the reference target has dense FFNs)",
@@ -305,9 +286,7 @@ class TargetConfig(KeywordOnly):
 # Parameters and cache.
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["layers", "final_norm"], meta_fields=[]
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetParams:
     """layers: one ``DecoderLayerParams`` whose every leaf is stacked on a leading [L] axis
@@ -321,7 +300,7 @@ class TargetParams:
         return self.layers.input_layernorm.shape[0]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v"], meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetCache:
     """Contiguous KV cache. k, v: [L, B, Lmax, Nkv, D] (K already normed and rotated)."""
@@ -342,8 +321,8 @@ def init_cache(
     cfg: TargetConfig, *, batch: int, max_len: int, dtype: jnp.dtype = jnp.float32
 ) -> TargetCache:
     """An all-zero cache for ``batch`` sequences of up to ``max_len`` positions."""
-    _check_int("batch", batch, minimum=1)
-    _check_int("max_len", max_len, minimum=1)
+    check_int("batch", batch, minimum=1)
+    check_int("max_len", max_len, minimum=1)
     shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
     return TargetCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
@@ -431,10 +410,17 @@ def _check_tokens(tokens: jax.Array, name: str = "tokens") -> None:
         raise ValueError(f"{name} must be int[B, T], got {tokens.dtype}{list(tokens.shape)}")
 
 
-def _causal(positions: jax.Array):
-    """Attend within the call's own rows: row i sees rows j with positions[j] <= positions[i]."""
+def _causal_stack(params, head, tokens, positions, cfg, implementation):
+    """Embedding, the layers attending within the call's own rows (row i sees rows j with
+    positions[j] <= positions[i]), final norm: (hidden f32[B, T, H], (k, v) [L, B, T, Nkv, D])."""
     mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
-    return lambda k, v: (k, v, mask)
+    x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
+
+    def body(x, lp):
+        return _layer(lp, x, positions, lambda k, v: (k, v, mask), cfg, implementation)
+
+    x, kv = jax.lax.scan(body, x, params.layers)
+    return _norm(x, params.final_norm, cfg), kv
 
 
 @configs_by_name
@@ -462,15 +448,7 @@ def _target_forward(params, head, tokens, positions, *, cfg, implementation):
     B, T = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
-    attend_to = _causal(positions)
-
-    def body(x, lp):
-        x, _ = _layer(lp, x, positions, attend_to, cfg, implementation)
-        return x, None
-
-    x, _ = jax.lax.scan(body, x, params.layers)
-    return _norm(x, params.final_norm, cfg)
+    return _causal_stack(params, head, tokens, positions, cfg, implementation)[0]
 
 
 @configs_by_name
@@ -504,18 +482,9 @@ def _target_prefill(params, head, cache, tokens, lengths, *, cfg, implementation
     if cache.batch != B:
         raise ValueError(f"tokens have batch {B}, the cache {cache.batch}")
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
-    attend_to = _causal(positions)
-
-    def body(x, layer):
-        lp, k_cache, v_cache = layer
-        x, (k, v) = _layer(lp, x, positions, attend_to, cfg, implementation)
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), 0, 1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), 0, 1)
-        return x, (k_cache, v_cache)
-
-    x, (k_new, v_new) = jax.lax.scan(body, x, (params.layers, cache.k, cache.v))
-    hidden = _norm(x, params.final_norm, cfg)
+    hidden, (k, v) = _causal_stack(params, head, tokens, positions, cfg, implementation)
+    k_new = jax.lax.dynamic_update_slice_in_dim(cache.k, k.astype(cache.k.dtype), 0, 2)
+    v_new = jax.lax.dynamic_update_slice_in_dim(cache.v, v.astype(cache.v.dtype), 0, 2)
     valid = positions < jnp.asarray(lengths, jnp.int32)[:, None]
     return jnp.where(valid[..., None], hidden, 0.0), TargetCache(k=k_new, v=v_new)
 

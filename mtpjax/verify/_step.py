@@ -26,11 +26,7 @@ from mtpjax.verify import metrics as metrics_lib
 from pallas_kernels.implementation import Implementation
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["num_accepted", "output_tokens", "num_output", "metrics"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyOutput:
     """Attributes:

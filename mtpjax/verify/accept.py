@@ -18,7 +18,6 @@ row after the last draft.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 
@@ -32,11 +31,7 @@ __all__ = ["PLACEHOLDER_TOKEN_ID", "AcceptResult", "accept", "check_temperature"
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["num_accepted", "output_tokens", "num_output"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AcceptResult:
     """Outcome of one verify round.
@@ -250,18 +245,17 @@ def _take_row(x: jax.Array, row: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index, axis=1)[:, 0]
 
 
+def _bad(name: str, expected: str, x: jax.Array) -> ValueError:
+    return ValueError(f"{name} must be {expected}, got {x.dtype}{list(x.shape)}")
+
+
 def _check_inputs(draft_tokens, draft_probs, target_logits, num_valid) -> None:
     """Validates static shapes and dtypes."""
     if draft_tokens.ndim != 2 or not jnp.issubdtype(draft_tokens.dtype, jnp.integer):
-        raise ValueError(
-            f"draft_tokens must be int[B, K], got {draft_tokens.dtype}{list(draft_tokens.shape)}"
-        )
+        raise _bad("draft_tokens", "int[B, K]", draft_tokens)
     batch, num_drafts = draft_tokens.shape
     if target_logits.ndim != 3 or not jnp.issubdtype(target_logits.dtype, jnp.floating):
-        raise ValueError(
-            "target_logits must be float[B, K+1, V], got "
-            f"{target_logits.dtype}{list(target_logits.shape)}"
-        )
+        raise _bad("target_logits", "float[B, K+1, V]", target_logits)
     vocab = target_logits.shape[2]
     if target_logits.shape[:2] != (batch, num_drafts + 1) or vocab == 0:
         raise ValueError(
@@ -273,14 +267,10 @@ def _check_inputs(draft_tokens, draft_probs, target_logits, num_valid) -> None:
         draft_probs.shape != (batch, num_drafts, vocab)
         or not jnp.issubdtype(draft_probs.dtype, jnp.floating)
     ):
-        raise ValueError(
-            f"draft_probs must be float[B, K, V] = [{batch}, {num_drafts}, {vocab}] or None, "
-            f"got {draft_probs.dtype}{list(draft_probs.shape)}"
+        raise _bad(
+            "draft_probs", f"float[B, K, V] = [{batch}, {num_drafts}, {vocab}] or None", draft_probs
         )
     if num_valid is not None and (
         num_valid.shape != (batch,) or not jnp.issubdtype(num_valid.dtype, jnp.integer)
     ):
-        raise ValueError(
-            f"num_valid must be int[B] = int[{batch}] or None, "
-            f"got {num_valid.dtype}{list(num_valid.shape)}"
-        )
+        raise _bad("num_valid", f"int[B] = int[{batch}] or None", num_valid)

@@ -23,7 +23,6 @@ Shapes:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,16 +31,7 @@ import numpy as np
 __all__ = ["SpecDecodeMetrics", "empty", "merge", "update"]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "num_drafts",
-        "num_draft_tokens",
-        "num_accepted_tokens",
-        "num_accepted_tokens_per_pos",
-    ],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpecDecodeMetrics:
     """Accumulated acceptance counters (vLLM's `SpecDecodingStats`).
