@@ -70,7 +70,7 @@ def test_propose_drafts_the_pytorch_reference_tokens(head_name, prec, k, b, cont
 
     dev = "cuda" if ON_GPU and torch.cuda.is_available() else "cpu"
     state = bp.filled_state(state_key, pool_cfg=pool_cfg, num_seqs=b, context=context)
-    kk, vv = jax.block_until_ready(bp.held_rows(state.kv, context))
+    kk, vv = jax.block_until_ready(bp.held_rows(state.kv[0], context))
     kc, vc = ref.kv_cache_from_rows(
         ref.to_torch(kk, torch.float32).to(dev),
         ref.to_torch(vv, torch.float32).to(dev),
