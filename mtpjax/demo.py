@@ -61,11 +61,13 @@ def converted_drafter(
     """The converted drafter of ``source`` at ``precision``: (directory, reused?).
 
     Converts with ``mtpjax.checkpoint.convert`` on first use; the directory name carries the
-    precision and the source hash, so a changed source never reuses a stale conversion.
+    precision, the source hash and the checkpoint format version, so neither a changed source
+    nor an older converter's output is ever reused.
     """
-    from mtpjax.checkpoint import MANIFEST_FILE, CheckpointError, convert
+    from mtpjax.checkpoint import FORMAT_VERSION, MANIFEST_FILE, CheckpointError, convert
 
-    out = Path(cache_dir).expanduser() / f"{source.name}-{precision}-{source_hash(source)}"
+    name = f"{source.name}-{precision}-{source_hash(source)}-v{FORMAT_VERSION}"
+    out = Path(cache_dir).expanduser() / name
     if (out / MANIFEST_FILE).is_file():
         return out, True
     out.parent.mkdir(parents=True, exist_ok=True)
