@@ -19,7 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest -n 2 -q
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

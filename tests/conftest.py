@@ -1,10 +1,20 @@
-"""Test-session set-up: eight forced host devices for the sharding tests, F32-exact matmuls, and
-the ``gpu`` marker (tests that only make sense on a GPU; they skip elsewhere)."""
+"""Test-session set-up: eight forced host devices for the sharding tests, F32-exact matmuls, a
+compilation cache shared by the test processes, and the ``gpu`` marker (tests that only make
+sense on a GPU; they skip elsewhere)."""
 
 import os
+from pathlib import Path
 
 # Must be set before JAX initialises its backends; tests only, never library code.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The xdist workers and the subprocesses the tests start (CLI, demo, notebook kernel) compile
+# many of the same programs: a persistent cache inside the checkout lets each compile once. It
+# starts empty in a fresh clone; the environment is inherited by the subprocesses.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".cache/jax-tests")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax
 import pytest
@@ -16,7 +26,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (run there with `pytest -m gpu`)")
 
 
+# The longest test files (minutes of CPU each), started first so that the two xdist workers do
+# not end on one of them while the other idles.
+_LONGEST_FIRST = (
+    "test_notebook.py",
+    "test_train_smoke.py",
+    "test_generate.py",
+    "test_readme.py",
+    "test_bench_propose.py",
+    "test_demo.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU")
