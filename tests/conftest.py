@@ -1,12 +1,16 @@
-"""Test-session set-up: eight forced host devices for the sharding tests, F32-exact matmuls, a
-compilation cache shared by the test processes, and the ``gpu`` marker (tests that only make
-sense on a GPU; they skip elsewhere)."""
+"""Test-session set-up: eight forced host devices for the sharding tests, unoptimised XLA:CPU
+code, F32-exact matmuls, a compilation cache shared by the test processes, and the ``gpu`` marker
+(tests that only make sense on a GPU; they skip elsewhere)."""
 
 import os
 from pathlib import Path
 
-# Must be set before JAX initialises its backends; tests only, never library code.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Must be set before JAX initialises its backends; tests only, never library code. The tests'
+# time goes mostly to compiling small programs, so XLA:CPU skips its LLVM optimisation passes
+# (about a fifth of the suite's CPU time); the tests' tolerances hold at either level.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 # The xdist workers and the subprocesses the tests start (CLI, demo, notebook kernel) compile
 # many of the same programs: a persistent cache inside the checkout lets each compile once. It
 # starts empty in a fresh clone; the environment is inherited by the subprocesses.

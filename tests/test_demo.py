@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 
 from mtpjax import demo
 from mtpjax.__main__ import main
+from mtpjax.checkpoint import FORMAT_VERSION
 
 NEW_TOKENS = 16
 REQUIRED = (
@@ -77,7 +78,7 @@ def test_json_output_has_the_fields_and_is_identical(demo_json, cache_dir):
 def test_conversion_is_cached_by_precision_and_source_hash(demo_json, cache_dir):
     path, reused = demo.converted_drafter("nvfp4", cache_dir=cache_dir, progress=False)
     assert reused
-    assert path.name == f"tiny_pair-nvfp4-{demo.source_hash()}"
+    assert path.name == f"tiny_pair-nvfp4-{demo.source_hash()}-v{FORMAT_VERSION}"
     assert json.loads(demo_json[1])["checkpoint"] == str(path)
 
 
