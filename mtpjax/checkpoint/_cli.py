@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None, *, prog: str = "mtpjax convert") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    if not args.quiet:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if not args.quiet:  # the converter's progress lines; other libraries' INFO stays quiet
+        logging.basicConfig(format="%(asctime)s %(message)s")
+        logging.getLogger("mtpjax").setLevel(logging.INFO)
     try:
         manifest = convert(
             args.src,
