@@ -54,9 +54,11 @@ def allocate(
 
     Requests are served one by one, smallest first (ties in request order), each from the blocks
     the earlier grants left. In that order the grants are a prefix: a request that does not fit
-    leaves every later one, which is no smaller, not fitting either. So one cumulative sum in
-    sorted order decides them all without a loop over R, and a refused request takes nothing: it
-    never changes what another request gets.
+    leaves every later one, which is no smaller, not fitting either. So the blocks handed out
+    before each request (the counts of the requests that precede it in that order) decide them
+    all without a loop or a sort over R, and a refused request takes nothing: it never changes
+    what another request gets. The precedence is an [R, R] comparison: R is the number of
+    sequences, so it stays one small elementwise pass.
 
     Args:
       alloc: the allocator.
@@ -67,15 +69,17 @@ def allocate(
       `taken(first[r] + j)` for j < counts[r]; use `block_ids` to read them.
     """
     counts = jnp.asarray(counts, jnp.int32)
-    order = jnp.argsort(counts, stable=True)
-    ends = jnp.cumsum(counts[order])
+    mine, other = counts[:, None], counts[None, :]  # [R, 1], [1, R]
+    index = jnp.arange(counts.shape[0])
+    precedes = (other < mine) | ((other == mine) & (index[None, :] < index[:, None]))  # [R, R]
+    first = jnp.sum(jnp.where(precedes, other, 0), axis=1, dtype=jnp.int32)
+    ends = first + counts
     granted = ends <= alloc.num_free
     total = jnp.max(jnp.where(granted, ends, 0), initial=0)  # the end of the granted prefix
-    unsort = jnp.argsort(order)
     return (
         BlockAllocator(free_stack=alloc.free_stack, num_free=alloc.num_free - total),
-        (ends - counts[order])[unsort],
-        granted[unsort],
+        first,
+        granted,
     )
 
 
