@@ -7,9 +7,9 @@ in its own subpackage:
     mtpjax.config      typed configs built from Hugging Face config.json
     mtpjax.weights     BF16 / FP8 / FP8 block-128 / NVFP4 weights, quantize, linear
     mtpjax.kv          paged KV pool, functional block allocator, drafter state
-    mtpjax.layers      norms, RoPE, gated GQA attention, dense and MoE FFN
+    mtpjax.layers      norms, RoPE, gated GQA attention, FFN/MoE, the parameter description
     mtpjax.drafter     the MTP drafter: init, drafter_forward, propose, after_verify, prefill
-    mtpjax.head        the target LM head (row-count tiers, vocab-parallel variant)
+    mtpjax.head        the target LM head and embedding (replicated and vocab-parallel)
     mtpjax.verify      the verify step; its modules accept (the rule) and metrics (vLLM's)
     mtpjax.checkpoint  Hugging Face checkpoint conversion and load_drafter
     mtpjax.generation  speculative generation (one while_loop) and the plain baseline
