@@ -47,6 +47,11 @@ def test_pool_num_blocks_rule(max_seq_len, max_seqs, block_size, main, expected)
     assert got == expected
 
 
+def test_pool_config_is_keyword_only():
+    with pytest.raises(TypeError, match=r"^PoolConfig takes keyword arguments only; got 2 "):
+        kv.PoolConfig(16, 2)
+
+
 def test_pool_config_validation():
     with pytest.raises(ValueError, match="block_size"):
         _cfg(block_size=0)

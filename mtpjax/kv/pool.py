@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mtpjax.config import KeywordOnly
+
 E4M3_MAX = 448.0
 
 
@@ -52,7 +54,7 @@ def pool_num_blocks(
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PoolConfig:
+class PoolConfig(KeywordOnly):
     """Static description of one paged KV pool (a static jit argument).
 
     Attributes:
