@@ -60,6 +60,7 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_kernels
 from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
@@ -209,8 +210,9 @@ def _shift_left(x: jax.Array, skip: jax.Array) -> jax.Array:
 
 
 def _check_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, num_modules: int):
-    """Static checks of the state against the drafter and of the window; returns ``pairs``
-    with ``active`` filled in (so a missing mask does not compile a second program)."""
+    """Static checks of the state against the drafter and of the window; returns ``pairs`` with
+    its index arrays as int32 and ``active`` filled in (all True when absent: one program with or
+    without it); ``count > 0`` joins it inside the jit, so the wrapper launches no device work."""
     B = _check_state(state)
     if state.num_modules != num_modules:
         raise ValueError(
@@ -233,10 +235,11 @@ def _check_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, num_mod
     chex.assert_shape(pairs.start, (B,))
     if not jnp.issubdtype(pairs.tokens.dtype, jnp.integer):
         raise TypeError(f"Pairs.tokens must be integer token ids, got {pairs.tokens.dtype}")
-    active = pairs.count > 0
-    if pairs.active is not None:
+    if pairs.active is None:  # a host array: one program either way, and no device op here
+        active = np.ones((B,), bool)
+    else:
         chex.assert_shape(pairs.active, (B,))
-        active = active & jnp.asarray(pairs.active, bool)
+        active = pairs.active
     return dataclasses.replace(
         pairs,
         tokens=jnp.asarray(pairs.tokens, jnp.int32),
@@ -252,7 +255,8 @@ def _open_window(state: DrafterState, pairs: Pairs, *, drop_past_anchor: bool):
     past its anchor). Returns (state, active bool[B], skip int32[B]: leading pairs held)."""
     B, T = pairs.tokens.shape
     count, start = pairs.count, pairs.start
-    active = pairs.active & (state.window_error == 0)  # a refused sequence waits for free
+    active = (pairs.count > 0) & pairs.active.astype(bool)
+    active = active & (state.window_error == 0)  # a refused sequence waits for free
     zeros = jnp.zeros((B,), jnp.int32)
     _, state = trim_round(state, zeros, zeros.astype(bool), active)
     length, keys0 = state.kv[0].seq_len, state.row_keys[0]

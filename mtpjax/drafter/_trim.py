@@ -33,6 +33,7 @@ import numbers
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtpjax.kv.state import DrafterState, drop_newest, free_sequences
 
@@ -145,7 +146,10 @@ def after_verify(
     B = _check_state(state)
     num_accepted = jnp.asarray(num_accepted, jnp.int32)
     chex.assert_shape(num_accepted, (B,))
-    refeed = jnp.broadcast_to(jnp.asarray(refeed, bool), (B,))
+    if isinstance(refeed, jax.Array):  # a device or traced flag
+        refeed = jnp.broadcast_to(refeed.astype(bool), (B,))
+    else:  # a Python or NumPy flag, broadcast on the host: no device op before the jitted trim
+        refeed = np.broadcast_to(np.asarray(refeed, bool), (B,))
     return _after_verify(state, num_accepted, refeed)
 
 
