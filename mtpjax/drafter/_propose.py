@@ -73,10 +73,10 @@ from mtpjax.drafter._params import (
     check_prefill_support,
     effective_num_drafts,
 )
-from mtpjax.drafter._trim import _check_state, trim_round
+from mtpjax.drafter._trim import _check_state, module_trims, rows_written
 from mtpjax.head import LMHeadParams
 from mtpjax.kv import PagedKVCache, WindowError, append
-from mtpjax.kv.state import DrafterState, drop_newest, newest_key, put_rows, rows_past
+from mtpjax.kv.state import DrafterState, drop_newest, newest_key, put_rows
 from mtpjax.layers.attention import output_projection, project_q
 from mtpjax.layers.decoder import ffn_residual
 from pallas_kernels.implementation import Implementation
@@ -252,35 +252,49 @@ def _check_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, num_mod
 def _open_window(state: DrafterState, pairs: Pairs, *, drop_past_anchor: bool):
     """Before module 0 writes a window: close the unverified round (a full reject), refuse bad
     windows, drop the held rows the window contradicts (and, with ``drop_past_anchor``, those
-    past its anchor). Returns (state, active bool[B], skip int32[B]: leading pairs held)."""
-    B, T = pairs.tokens.shape
+    past its anchor). Returns (state, active bool[B], skip int32[B]: leading pairs held).
+
+    Module 0's keys are consecutive once the unverified round is gone (its chain rows are the
+    only ones that leave holes), so its newest key and its rows past a key are arithmetic on
+    the length; only modules >= 1 look at their row keys. The two drops are one truncation."""
+    T = pairs.tokens.shape[1]
     count, start = pairs.count, pairs.start
     active = (pairs.count > 0) & pairs.active.astype(bool)
     active = active & (state.window_error == 0)  # a refused sequence waits for free
-    zeros = jnp.zeros((B,), jnp.int32)
-    _, state = trim_round(state, zeros, zeros.astype(bool), active)
-    length, keys0 = state.kv[0].seq_len, state.row_keys[0]
-    last = newest_key(keys0, length)
+    N, K = state.num_modules, state.last_num_drafted
+    unverified = module_trims(N, rows_written(N, K), K, 0, False)  # [B, N]
+    unverified = jnp.where(active[:, None], unverified, 0)
+    lengths = [c.seq_len - unverified[:, m] for m, c in enumerate(state.kv)]
+    keys0 = state.row_keys[0]
+    last = newest_key(keys0, lengths[0])
     error = jnp.where(count > T, int(WindowError.COUNT_PAST_WIDTH), 0)
-    error |= jnp.where((length > 0) & (start > last + 1), int(WindowError.GAP), 0)
+    error |= jnp.where((lengths[0] > 0) & (start > last + 1), int(WindowError.GAP), 0)
     error |= jnp.where(state.freed & (start != 0), int(WindowError.NOT_FROM_START), 0)
     error = jnp.where(active, error, 0)
-    active = active & (error == 0)
+    opened = active & (error == 0)
     # The first window pair whose token differs from module 0's held row at its key.
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     key = start[:, None] + t
     held = (t < count[:, None]) & (key >= keys0[:, :1]) & (key <= last[:, None])
-    row = jnp.clip(length[:, None] - 1 - (last[:, None] - key), 0, keys0.shape[1] - 1)
+    row = jnp.clip(lengths[0][:, None] - 1 - (last[:, None] - key), 0, keys0.shape[1] - 1)
     differs = held & (jnp.take_along_axis(state.row_tokens, row, axis=1) != pairs.tokens)
     cut = jnp.min(jnp.where(differs, key - 1, jnp.iinfo(jnp.int32).max), axis=1)
     if drop_past_anchor:
         cut = jnp.minimum(cut, pairs.last_key)
-    state = drop_newest(state, jnp.where(active[:, None], rows_past(state, cut), 0))
+    past = [jnp.clip(last - cut, 0, lengths[0])]
+    for m in range(1, N):
+        rows = jnp.arange(keys0.shape[1])[None, :] < lengths[m][:, None]
+        past.append(jnp.sum(rows & (state.row_keys[m] > cut[:, None]), axis=1, dtype=jnp.int32))
+    state = drop_newest(state, unverified + jnp.where(opened[:, None], jnp.stack(past, -1), 0))
     state = dataclasses.replace(
-        state, window_error=state.window_error | error, freed=state.freed & ~active
+        state,
+        last_num_drafted=jnp.where(active, 0, K),
+        window_error=state.window_error | error,
+        freed=state.freed & ~opened,
     )
-    last = newest_key(state.row_keys[0], state.kv[0].seq_len)
-    return state, active, jnp.clip(last - start + 1, 0, count)
+    drop0 = jnp.where(opened, past[0], 0)
+    last = jnp.where(lengths[0] > drop0, last - drop0, -1)
+    return state, opened, jnp.clip(last - start + 1, 0, count)
 
 
 # ------------------------------------------------------------------------------------------
@@ -399,9 +413,11 @@ def _propose(
     )
     state = _record(state, 0, cache, before, pairs.start + skip, _shift_left(pairs.tokens, skip))
 
-    # 2. The chain: a lax.scan over cycles, each running the modules of one cycle in step order
-    # (CYCLE: all N, K // N cycles; CLAMP: the first K, one cycle), so each module's layer and
-    # the LM head appear once in the program whatever K is.
+    # 2. The chain, cycle by cycle, each running the modules of one cycle in step order (CYCLE:
+    # all N, K // N cycles; CLAMP: the first K, one cycle). The first cycle runs outside any
+    # loop: its module-0 step is the anchor, whose row is held now, so it writes nothing and
+    # takes the layer input its row was computed from. The other cycles are one lax.scan, so
+    # each module's layer and the LM head appear at most twice in the program whatever K is.
     M, C = (N, K // N) if modules.schedule is ModuleSchedule.CYCLE else (K, 1)
     last = jnp.clip(pairs.count - 1, 0, T - 1)
 
@@ -410,31 +426,29 @@ def _propose(
 
     anchor_key = pairs.last_key
     anchor_hidden = at_last(pairs.hidden).astype(jnp.float32)  # [B, H]
-    anchor_x, anchor_a = at_last(x), at_last(a)
     handed_over = {
         HiddenContract.POST_NORM: lambda o: o.h_out,
         HiddenContract.PRE_NORM: lambda o: o.residual,
         HiddenContract.PINNED: lambda o: anchor_hidden,
     }[hidden_contract]
 
-    def run_cycle(carry, c):
+    def run_cycle(carry, c, *, first: bool):
         state, tok, hid = carry
         outs = []
         for m in range(M):
             module, s = modules.modules[m], c * M + m
             pos = anchor_key + s
-            # Module 0's first step is the anchor, whose row is held now: it writes nothing and
-            # takes the layer input its row was computed from.
-            chained = c > 0 if m == 0 else True
-            xs, as_, ks, vs = pair_rows(
-                module, head, tok[:, None], hid[:, None], pos[:, None], **kw
-            )
-            before = state.kv[m].seq_len
-            cache, _ = append(state.kv[m], ks, vs, (active & chained).astype(jnp.int32))
-            state = _record(state, m, cache, before, pos, tok[:, None])
-            x_s = jnp.where(chained, xs[:, 0], anchor_x)
-            a_s = jnp.where(chained, as_[:, 0], anchor_a)
-            o: DrafterOutput = _decode_row(module, head, cache, x_s, a_s, pos, **kw)
+            if first and m == 0:
+                x_s, a_s = at_last(x), at_last(a)
+            else:
+                xs, as_, ks, vs = pair_rows(
+                    module, head, tok[:, None], hid[:, None], pos[:, None], **kw
+                )
+                before = state.kv[m].seq_len
+                cache, _ = append(state.kv[m], ks, vs, active.astype(jnp.int32))
+                state = _record(state, m, cache, before, pos, tok[:, None])
+                x_s, a_s = xs[:, 0], as_[:, 0]
+            o: DrafterOutput = _decode_row(module, head, state.kv[m], x_s, a_s, pos, **kw)
             allowed = None
             if bitmask is not None:
                 mask = bitmask if bitmask.ndim == 2 else jnp.take(bitmask, s, axis=1)
@@ -444,9 +458,14 @@ def _propose(
             outs.append((tok, p, ok, hid, lg if return_logits else None))
         return (state, tok, hid), tuple(outs)
 
-    (state, _, _), ys = jax.lax.scan(
-        run_cycle, (state, at_last(pairs.tokens), anchor_hidden), jnp.arange(C, dtype=jnp.int32)
-    )
+    carry, ys = run_cycle((state, at_last(pairs.tokens), anchor_hidden), 0, first=True)
+    ys = jax.tree.map(lambda y: y[None], ys)  # [1, B, ...] per step of the cycle
+    if C > 1:
+        carry, rest = jax.lax.scan(
+            functools.partial(run_cycle, first=False), carry, jnp.arange(1, C, dtype=jnp.int32)
+        )
+        ys = jax.tree.map(lambda y, r: jnp.concatenate([y, r]), ys, rest)
+    state = carry[0]
 
     def steps(field: int):
         """One output field of every step in step order: [B, K, ...]."""

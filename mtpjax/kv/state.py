@@ -112,11 +112,12 @@ def newest_key(keys: jax.Array, length: jax.Array) -> jax.Array:
 
 
 def put_rows(rows: jax.Array, first: jax.Array, num: jax.Array, values: jax.Array) -> jax.Array:
-    """rows int32[B, R] with ``rows[b, first[b] + t] = values[b, t]`` for ``t < num[b]``."""
-    B, T = values.shape
-    t = jnp.arange(T, dtype=jnp.int32)[None, :]
-    idx = jnp.where(t < num[:, None], first[:, None] + t, rows.shape[1])  # R: dropped
-    return rows.at[jnp.arange(B)[:, None], idx].set(values, mode="drop")
+    """rows int32[B, R] with ``rows[b, first[b] + t] = values[b, t]`` for ``t < num[b]``.
+
+    A select over the rows rather than a scatter, so it fuses with what else touches them."""
+    t = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :] - first[:, None]  # [B, R]
+    put = (t >= 0) & (t < num[:, None])
+    return jnp.where(put, jnp.take_along_axis(values, jnp.clip(t, 0, values.shape[1] - 1), 1), rows)
 
 
 def drop_newest(state: DrafterState, num_rows: jax.Array) -> DrafterState:
@@ -127,15 +128,6 @@ def drop_newest(state: DrafterState, num_rows: jax.Array) -> DrafterState:
         kv.append(cache)
         keys.append(jnp.where(jnp.arange(k.shape[1])[None, :] < cache.seq_len[:, None], k, -1))
     return dataclasses.replace(state, kv=tuple(kv), row_keys=tuple(keys))
-
-
-def rows_past(state: DrafterState, cut: jax.Array) -> jax.Array:
-    """int32[B, N] rows each module holds with a key past ``cut`` int32[B] (its newest ones)."""
-    counts = []
-    for cache, k in zip(state.kv, state.row_keys):
-        held = jnp.arange(k.shape[1])[None, :] < cache.seq_len[:, None]
-        counts.append(jnp.sum(held & (k > cut[:, None]), axis=1, dtype=jnp.int32))
-    return jnp.stack(counts, axis=-1)
 
 
 def free_sequences(state: DrafterState, mask: jax.Array) -> DrafterState:
