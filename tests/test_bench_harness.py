@@ -66,3 +66,26 @@ def test_kernels_table_ratios_and_failures():
     text = kernels.summary(records)
     assert "default" in text and "0.400" in text
     assert "NOT OK ValueError: block_n" in text and "SECTION ERROR attention: boom" in text
+
+
+def test_propose_ab_counts_device_ops_with_while_bodies_per_trip():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.propose_ab import device_ops
+
+    def body(c):
+        i, x = c
+        return i + 1, jnp.sin(x) * 2.0 + jnp.cumsum(x)
+
+    def f(x):
+        x = jnp.cos(x) + 1.0
+        return jax.lax.fori_loop(0, 5, lambda i, c: body((i, c))[1], x) @ x
+
+    hlo = jax.jit(f).lower(jnp.ones((8,))).compile().as_text()
+    once = device_ops(hlo.replace('"n":"5"', '"n":"1"'))
+    assert device_ops(hlo) > once  # the loop body counts once per trip
+    loop_free = device_ops(
+        jax.jit(lambda x: jnp.cos(x) + 1.0).lower(jnp.ones((8,))).compile().as_text()
+    )
+    assert loop_free >= 1
