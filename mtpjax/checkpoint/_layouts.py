@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -464,9 +463,7 @@ def plan(cfg: DrafterConfig, ckpt: SafetensorsCheckpoint, raw_config: Mapping[st
 # Converted tensors -> drafter params.
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["modules", "head"], meta_fields=[]
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterCheckpoint:
     """A converted checkpoint's drafter: one ``DrafterParams`` per MTP module, and the target's

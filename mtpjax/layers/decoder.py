@@ -18,7 +18,6 @@ described in ``mtpjax.layers._spec``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -31,11 +30,7 @@ from mtpjax.layers.norms import rms_norm
 __all__ = ["DecoderLayerParams", "apply_ffn", "decoder_layer", "ffn_residual", "input_norm"]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["input_layernorm", "attention", "post_attention_layernorm", "ffn"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderLayerParams:
     """Attributes:
