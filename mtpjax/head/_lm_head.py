@@ -49,6 +49,7 @@ from mtpjax.weights import (
     quantize,
 )
 from pallas_kernels import linear_backend
+from pallas_kernels.implementation import parse_enum
 
 __all__ = [
     "XLA_ROW_QUANTUM",
@@ -133,24 +134,10 @@ class LMHeadParams:
         return self.weight.shape[1]
 
 
-_FORMAT_NAMES = {"fp4": WeightFormat.NVFP4}
-
-
 def _parse_format(precision: str | WeightFormat | Precision) -> WeightFormat:
-    if isinstance(precision, WeightFormat):
-        return precision
     if isinstance(precision, Precision):
         return WeightFormat(precision.value)
-    if isinstance(precision, str):
-        name = precision.lower()
-        if name in _FORMAT_NAMES:
-            return _FORMAT_NAMES[name]
-        try:
-            return WeightFormat(name)
-        except ValueError:
-            pass
-    accepted = ", ".join([f.value for f in WeightFormat] + list(_FORMAT_NAMES))
-    raise ValueError(f"unknown LM head precision {precision!r}; expected one of: {accepted}")
+    return parse_enum(WeightFormat, precision, "LM head precision", {"fp4": WeightFormat.NVFP4})
 
 
 def _check_cfg_shape(cfg: LMHeadConfig, what: str, shape: tuple[int, ...]) -> None:

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.implementation import parse_enum
+
 __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
@@ -72,15 +74,7 @@ class WeightFormat(enum.Enum):
     @classmethod
     def parse(cls, fmt: str | WeightFormat) -> WeightFormat:
         """Parses a format name case-insensitively; unknown names raise ValueError."""
-        if isinstance(fmt, WeightFormat):
-            return fmt
-        if isinstance(fmt, str):
-            try:
-                return cls(fmt.lower())
-            except ValueError:
-                pass
-        accepted = ", ".join(f.value for f in cls)
-        raise ValueError(f"unknown weight format {fmt!r}; expected one of: {accepted}")
+        return parse_enum(cls, fmt, "weight format")
 
 
 def _is_array_like(leaf: Any) -> bool:
