@@ -316,12 +316,6 @@ def _row_span(leaf: str, r0: int, r1: int) -> slice:
     return slice(r0 // div, -(-r1 // div))
 
 
-def _rows_of(w: Weight, r0: int, r1: int) -> Weight:
-    """Rows ``[r0, r1)`` of a 2-D weight (NVFP4's scalar ``scale_2`` is shared by all rows)."""
-    leaves = weight_leaves(w)
-    return type(w)(**{k: v if v.ndim == 0 else v[_row_span(k, r0, r1)] for k, v in leaves.items()})
-
-
 RowReader = Callable[[int, int], np.ndarray]  # (r0, r1) -> f32[r1 - r0, K]
 
 
@@ -338,7 +332,8 @@ def _float_rows(ckpt: SafetensorsCheckpoint, src: SourceWeight) -> RowReader:
 
 def _dequantized_rows(native: Weight) -> RowReader:
     def rows(r0: int, r1: int) -> np.ndarray:
-        return np.asarray(dequantize(jax.tree.map(jnp.asarray, _rows_of(native, r0, r1))))
+        part = native.map_rows(lambda a, per: a[r0 // per : -(-r1 // per)])
+        return np.asarray(dequantize(jax.tree.map(jnp.asarray, part)))
 
     return rows
 

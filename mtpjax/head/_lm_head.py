@@ -37,11 +37,8 @@ import jax.numpy as jnp
 from mtpjax.config import LMHeadConfig
 from mtpjax.weights import (
     FP8_BLOCK,
-    Bf16Weight,
     Fp8BlockWeight,
-    Fp8RowWeight,
     Implementation,
-    Nvfp4Weight,
     Precision,
     Weight,
     WeightFormat,
@@ -78,7 +75,7 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
 
 
 def _check_head_weight(weight: Any) -> None:
-    if not isinstance(weight, Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight):
+    if not isinstance(weight, Weight):
         raise TypeError(f"the LM head weight must be a weight pytree, got {type(weight).__name__}")
     if len(weight.shape) != 2:
         raise ValueError(f"the LM head weight must be one [V, H] matrix, got shape {weight.shape}")
@@ -109,7 +106,7 @@ class LMHeadParams:
             raise ValueError(
                 f"LMHeadParams.embedding must be bf16[V, H], got {emb.dtype}{list(emb.shape)}"
             )
-        if not isinstance(self.weight, Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight):
+        if not isinstance(self.weight, Weight):
             return  # a pytree placeholder (specs, vmap axes), not a weight
         if not all(_is_array_like(x) for x in jax.tree.leaves(self.weight)):
             return
@@ -174,7 +171,7 @@ def from_arrays(
                 "is the head)"
             )
         lm_head = embedding
-    if isinstance(lm_head, Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight):
+    if isinstance(lm_head, Weight):
         if fmt is not None and fmt is not lm_head.format:
             raise ValueError(
                 f"lm_head is stored {lm_head.format.value} but precision={precision!r} was asked "
@@ -283,15 +280,7 @@ def _xla_rows(x: jax.Array, w: Weight) -> jax.Array:
 
 def _take_rows(w: Weight, n: int) -> Weight:
     """The first n rows of a ``[V, H]`` weight: a reduced vocab is never computed then sliced."""
-    if n == w.out_features:
-        return w
-    if isinstance(w, Bf16Weight):
-        return Bf16Weight(w=w.w[:n])
-    if isinstance(w, Fp8RowWeight):
-        return Fp8RowWeight(q=w.q[:n], scale=w.scale[:n])
-    if isinstance(w, Fp8BlockWeight):
-        return Fp8BlockWeight(q=w.q[:n], scale_inv=w.scale_inv[: -(-n // FP8_BLOCK)])
-    return Nvfp4Weight(packed=w.packed[:n], scale=w.scale[:n], scale_2=w.scale_2)
+    return w if n == w.out_features else w.map_rows(lambda a, per: a[: -(-n // per)])
 
 
 def _project(weight: Weight, x: jax.Array, *, n_cols: int, implementation: Implementation):

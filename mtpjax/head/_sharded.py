@@ -52,15 +52,7 @@ from mtpjax.head._lm_head import (
     _round_up,
 )
 from mtpjax.layers import partition_spec
-from mtpjax.weights import (
-    FP8_BLOCK,
-    Bf16Weight,
-    Fp8BlockWeight,
-    Fp8RowWeight,
-    Implementation,
-    Nvfp4Weight,
-    Weight,
-)
+from mtpjax.weights import FP8_BLOCK, Fp8BlockWeight, Implementation, Weight
 
 __all__ = [
     "HeadOutput",
@@ -123,20 +115,6 @@ def padded_vocab(weight: Weight, num_shards: int) -> int:
     return _round_up(weight.out_features, quantum)
 
 
-def _pad_weight(w: Weight, vp: int) -> Weight:
-    if isinstance(w, Bf16Weight):
-        return Bf16Weight(w=_pad_rows(w.w, vp))
-    if isinstance(w, Fp8RowWeight):
-        return Fp8RowWeight(q=_pad_rows(w.q, vp), scale=_pad_rows(w.scale, vp))
-    if isinstance(w, Fp8BlockWeight):
-        return Fp8BlockWeight(
-            q=_pad_rows(w.q, vp), scale_inv=_pad_rows(w.scale_inv, vp // FP8_BLOCK)
-        )
-    return Nvfp4Weight(
-        packed=_pad_rows(w.packed, vp), scale=_pad_rows(w.scale, vp), scale_2=w.scale_2
-    )
-
-
 # The head's leaves: the projection's rows are the vocab (split), the embedding's are not.
 HEAD_AXES = {
     "weight": ("vocab", "embed"),
@@ -162,7 +140,7 @@ def shard_lm_head(params: LMHeadParams, mesh: Mesh, axis_name: str) -> ShardedLM
     _check_head_weight(params.weight)
     num_shards = mesh.shape[axis_name]
     vp = padded_vocab(params.weight, num_shards)
-    weight = _pad_weight(params.weight, vp)
+    weight = params.weight.map_rows(lambda a, per: _pad_rows(a, vp // per))
     rules = {"vocab": axis_name}
     leaves = {"weight": weight, "embedding": params.embedding, "final_norm": params.final_norm}
     return ShardedLMHeadParams(

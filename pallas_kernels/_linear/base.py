@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -125,6 +126,15 @@ class _Matrix:
     def shape(self) -> tuple[int, ...]:
         """Logical shape ``(..., N, K)``: the codes' shape."""
         return tuple(getattr(self, next(iter(self.leaf_dtypes))).shape)
+
+    def map_rows(self, fn: Callable[[Any, int], Any]) -> Any:
+        """This 2-D weight with ``fn(leaf, per)`` applied to each leaf indexed by its rows, ``per``
+        rows to one leaf row (128 for ``scale_inv``); NVFP4's scalar ``scale_2`` is kept."""
+        leaves = {field: getattr(self, field) for field in self.leaf_dtypes}
+        per = {"scale_inv": FP8_BLOCK}
+        return type(self)(
+            **{f: v if v.ndim == 0 else fn(v, per.get(f, 1)) for f, v in leaves.items()}
+        )
 
     @property
     def out_features(self) -> int:
