@@ -433,26 +433,16 @@ def _build_kernel(
     *,
     fmt: str = "nvfp4",
 ):
-    """The GEMV kernel of every format (one pipeline, the decode chosen by ``fmt``).
+    """The GEMV kernel of every format (one pipeline, the decode chosen by ``fmt``) -> f32[m, N].
 
     Operands: x float16[m_pad, K] (permuted for ``fmt``), f32[m_pad] row factors, then NVFP4
-    codes uint8[N, K/2] and scales uint8[N, K/16], or FP8 codes
-    uint8[N, K] and f32[cdiv(N, block_n) * block_n] row scales of the weight ("fp8"), or
-    FP8 codes uint8[N, K] and block scales f32[cdiv(N, 128), K/128] ("fp8_block").
-
-    FP8 block-128 (``block_n`` 64 or 128, so a CTA's rows share one scale row): each 128-wide K
-    block (one 128-byte code slab, two ``wgmma`` chunks) accumulates into a fresh F32
-    accumulator, which is awaited (``wgmma_wait(0)``) and added into the main one, a pipeline
-    carry, times the block's scale, read as a scalar from global memory (in F32: scaling the
-    float16 operand would round).
-
-    Returns f32[m, N]: ``acc * row_factor`` (NVFP4, FP8 block-128) or
-    ``acc * scale[n] * row_factor`` (FP8 per-row), in that order in F32. Each CTA scales its
-    [block_n, m_pad] accumulator
-    in registers, moves it to the ``WGMMA_TRANSPOSED`` layout (one shuffle per register pair),
-    stores it into a [m_pad, block_n] shared-memory tile through a transposed view (the
-    pipeline's buffers, free by then) and copies the tile out with TMA, which drops the rows
-    past ``m`` and the columns past N.
+    codes uint8[N, K/2] and scales uint8[N, K/16]; FP8 codes uint8[N, K] and f32[cdiv(N,
+    block_n) * block_n] weight-row scales ("fp8"); or FP8 codes uint8[N, K] and block scales
+    f32[cdiv(N, 128), K/128] ("fp8_block", ``block_n`` 64 or 128 so a CTA's rows share one
+    scale row). The block scales multiply each K block's F32 partial sum (scaling the float16
+    operand would round); the epilogue (module docstring) moves the scaled accumulator to the
+    ``WGMMA_TRANSPOSED`` layout, one shuffle per register pair, into the pipeline's freed
+    shared memory.
     """
     m_pad = C.round_up(m, 8)
     bn, bk = cfg.block_n, cfg.block_k
