@@ -123,11 +123,6 @@ HEAD_AXES = {
 }
 
 
-def _row_specs(w: Weight, axis: str) -> Weight:
-    """PartitionSpecs splitting a [Vp, H] weight's rows (and per-row scales) over ``axis``."""
-    return partition_spec(w, HEAD_AXES["weight"], {"vocab": axis})
-
-
 def _place(tree, specs, mesh: Mesh):
     return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs)
 
@@ -224,7 +219,7 @@ def _sharded_lm_head(params, hidden, *, cfg, draft, implementation, with_logits)
     logits, token, logprob = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(_row_specs(params.weight, axis), P()),
+        in_specs=(partition_spec(params.weight, HEAD_AXES["weight"], {"vocab": axis}), P()),
         out_specs=(P(None, axis) if with_logits else None, P(), P()),
         check_vma=False,
     )(params.weight, x)

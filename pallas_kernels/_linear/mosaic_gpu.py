@@ -589,15 +589,11 @@ def _build_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_rows(x: jax.Array) -> None:
-    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
-
-
 def _check_aligned(x: jax.Array, nw: int, kw: int, k_align: int) -> tuple[int, int]:
     """Checks x [M, K] against a weight of [nw, kw] (nw % 8, kw % k_align, K <= kw < K +
     k_align: x's columns past K are zero-padded). Returns (M, K)."""
-    _check_rows(x)
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
     m, k = x.shape
     if kw % k_align or nw % N_ALIGN:
         raise ValueError(
