@@ -304,11 +304,6 @@ def read_native(ckpt: SafetensorsCheckpoint, src: SourceWeight) -> Weight:
     return Nvfp4Weight(packed=w, scale=ckpt.read(src.scale.name), scale_2=scale_2)
 
 
-def _to_numpy(w: Weight) -> Weight:
-    leaves = {k: np.asarray(v) for k, v in weight_leaves(w).items()}
-    return type(w)(**leaves)
-
-
 def _row_span(leaf: str, r0: int, r1: int) -> slice:
     """The slice of leaf ``leaf`` that holds rows ``[r0, r1)`` of a 2-D weight (``scale_inv``
     has one row per 128-row tile, so a block-128 ``r0`` must be a multiple of 128)."""
@@ -420,7 +415,7 @@ def convert_weight(
 
 def _quantize_float(w: np.ndarray, fmt: WeightFormat, name: str) -> Weight:
     try:
-        return _to_numpy(quantize(jnp.asarray(w, jnp.float32), fmt))
+        return jax.tree.map(np.asarray, quantize(jnp.asarray(w, jnp.float32), fmt))
     except ValueError as err:
         raise CheckpointError(f"{name}: cannot store as {fmt.value}: {err}") from None
 

@@ -259,17 +259,13 @@ def _block_fp8_f32(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     return acc
 
 
-def _pad_to_quantum(x: jax.Array) -> jax.Array:
-    return _pad_rows(x, _round_up(max(x.shape[0], 1), XLA_ROW_QUANTUM))
-
-
 def _xla_rows(x: jax.Array, w: Weight) -> jax.Array:
     """The XLA path: ``x: [M, H]`` against a row-major ``[n, H]`` -> ``f32[M, n]``.
 
     ``linear``'s XLA reference on rows padded to the quantum, except block-128 FP8, whose
     reference sums in a row-count-dependent order (see ``_block_fp8_f32``).
     """
-    xp = _pad_to_quantum(x)
+    xp = _pad_rows(x, _round_up(max(x.shape[0], 1), XLA_ROW_QUANTUM))
     if isinstance(w, Fp8BlockWeight):
         scale = jnp.repeat(w.scale_inv, FP8_BLOCK, axis=0)[: w.out_features]  # [n, KB]
         out = _block_fp8_f32(xp.astype(_compute_dtype(x)), w.q, scale)

@@ -383,7 +383,7 @@ def _gemv(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32),
         grid=(C.cdiv(n, bn), split),
-        compiler_params=C.compiler_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"{fmt}_gemv",
     )(*xs, xinv, *weights)

@@ -252,7 +252,7 @@ def paged_attention(
             jax.ShapeDtypeStruct((bsz, n_kv, splits, g_pad), f32),
         ),
         grid=(bsz, n_kv, splits),
-        compiler_params=C.compiler_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="paged_attention",
     )(*ins)
