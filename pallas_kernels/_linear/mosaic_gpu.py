@@ -93,8 +93,6 @@ N_ALIGN = 8
 _CHUNK = 64
 #: K elements per code byte, per weight format.
 _ELEMS_PER_BYTE = {"nvfp4": 2, "fp8": 1, "fp8_block": 1}
-#: The FP8 formats: one E4M3 code per byte, the same decode and K permutation.
-_FP8_FORMATS = ("fp8", "fp8_block")
 #: Rows and columns of one FP8 block-128 scale (DeepSeek-V3 ``weight_scale_inv``).
 FP8_BLOCK = 128
 
@@ -402,7 +400,7 @@ def _swizzled(bits: int) -> tuple:
 
 def _weight_specs(fmt: str, bn: int, bk: int, ni) -> list:
     """BlockSpecs of the weight operands of one CTA step (codes first)."""
-    if fmt in _FP8_FORMATS:
+    if fmt != "nvfp4":  # FP8: one E4M3 code per byte
         return [plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), transforms=_swizzled(8))]
     return [
         plgpu.BlockSpec((bn, bk // 2), lambda ki: (ni, ki), transforms=_swizzled(8)),
