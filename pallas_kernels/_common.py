@@ -60,10 +60,6 @@ def in_row_chunks(kernel, x: jax.Array, chunk: int, n: int) -> jax.Array:
     return jax.lax.map(kernel, chunks).reshape(-1, n)[:m]
 
 
-def compiler_params(num_warps: int, num_stages: int) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-
-
 # ---------------------------------------------------------------------------------------------
 # In-kernel E2M1 decoding.
 # ---------------------------------------------------------------------------------------------

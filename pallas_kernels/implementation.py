@@ -9,8 +9,29 @@ argument, so ``"AUTO"``, ``"auto"`` and ``Implementation.AUTO`` share one compil
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
-__all__ = ["Implementation"]
+__all__ = ["Implementation", "parse_enum"]
+
+
+def parse_enum[E: enum.Enum](
+    kind: type[E], value: E | str, what: str, aliases: Mapping[str, E] | None = None
+) -> E:
+    """``value`` as a ``kind`` member: the member, or its value or an alias in any case;
+    ValueError naming ``what`` and every accepted name (each alias after its member) otherwise."""
+    aliases = aliases or {}
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        name = value.lower()
+        try:
+            return aliases[name] if name in aliases else kind(name)
+        except ValueError:
+            pass
+    accepted = ", ".join(
+        n for m in kind for n in [m.value, *(a for a in aliases if aliases[a] is m)]
+    )
+    raise ValueError(f"unknown {what} {value!r}; expected one of: {accepted}")
 
 
 class Implementation(enum.Enum):
@@ -25,12 +46,4 @@ class Implementation(enum.Enum):
     @classmethod
     def parse(cls, value: Implementation | str) -> Implementation:
         """``value`` as an ``Implementation``; ValueError naming the accepted values otherwise."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-        accepted = ", ".join(i.value for i in cls)
-        raise ValueError(f"unknown implementation {value!r}; expected one of: {accepted}")
+        return parse_enum(cls, value, "implementation")

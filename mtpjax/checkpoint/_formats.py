@@ -304,22 +304,11 @@ def read_native(ckpt: SafetensorsCheckpoint, src: SourceWeight) -> Weight:
     return Nvfp4Weight(packed=w, scale=ckpt.read(src.scale.name), scale_2=scale_2)
 
 
-def _to_numpy(w: Weight) -> Weight:
-    leaves = {k: np.asarray(v) for k, v in weight_leaves(w).items()}
-    return type(w)(**leaves)
-
-
 def _row_span(leaf: str, r0: int, r1: int) -> slice:
     """The slice of leaf ``leaf`` that holds rows ``[r0, r1)`` of a 2-D weight (``scale_inv``
     has one row per 128-row tile, so a block-128 ``r0`` must be a multiple of 128)."""
     div = FP8_BLOCK if leaf == "scale_inv" else 1
     return slice(r0 // div, -(-r1 // div))
-
-
-def _rows_of(w: Weight, r0: int, r1: int) -> Weight:
-    """Rows ``[r0, r1)`` of a 2-D weight (NVFP4's scalar ``scale_2`` is shared by all rows)."""
-    leaves = weight_leaves(w)
-    return type(w)(**{k: v if v.ndim == 0 else v[_row_span(k, r0, r1)] for k, v in leaves.items()})
 
 
 RowReader = Callable[[int, int], np.ndarray]  # (r0, r1) -> f32[r1 - r0, K]
@@ -338,7 +327,8 @@ def _float_rows(ckpt: SafetensorsCheckpoint, src: SourceWeight) -> RowReader:
 
 def _dequantized_rows(native: Weight) -> RowReader:
     def rows(r0: int, r1: int) -> np.ndarray:
-        return np.asarray(dequantize(jax.tree.map(jnp.asarray, _rows_of(native, r0, r1))))
+        part = native.map_rows(lambda a, per: a[r0 // per : -(-r1 // per)])
+        return np.asarray(dequantize(jax.tree.map(jnp.asarray, part)))
 
     return rows
 
@@ -425,7 +415,7 @@ def convert_weight(
 
 def _quantize_float(w: np.ndarray, fmt: WeightFormat, name: str) -> Weight:
     try:
-        return _to_numpy(quantize(jnp.asarray(w, jnp.float32), fmt))
+        return jax.tree.map(np.asarray, quantize(jnp.asarray(w, jnp.float32), fmt))
     except ValueError as err:
         raise CheckpointError(f"{name}: cannot store as {fmt.value}: {err}") from None
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -140,21 +139,15 @@ def _quoted(prefixes: Sequence[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
-def _no_mtp(cfg: DrafterConfig, source: str, prefixes: Sequence[str]) -> CheckpointError:
-    key = _COUNT_KEYS[cfg.architecture]
-    return CheckpointError(
-        f"config.json declares {_modules(cfg.num_mtp_modules)} ({key}) but {source} has no "
-        f"tensor under {_quoted(prefixes)}: this checkpoint ships no MTP weights"
-    )
-
-
-def _missing_module(
-    cfg: DrafterConfig, source: str, index: int, prefixes: Sequence[str]
+def _no_mtp(
+    cfg: DrafterConfig, source: str, prefixes: Sequence[str], index: int | None = None
 ) -> CheckpointError:
+    """No tensor under ``prefixes``: of any MTP module, or (``index``) of module ``index``."""
     key = _COUNT_KEYS[cfg.architecture]
+    what = ": this checkpoint ships no MTP weights" if index is None else f" (MTP module {index})"
     return CheckpointError(
         f"config.json declares {_modules(cfg.num_mtp_modules)} ({key}) but {source} has no "
-        f"tensor under {_quoted(prefixes)} (MTP module {index})"
+        f"tensor under {_quoted(prefixes)}{what}"
     )
 
 
@@ -283,7 +276,7 @@ def _qwen_plan(cfg: DrafterConfig, names: set[str], source: str) -> Plan:
     for i in range(cfg.num_mtp_modules):
         L = f"mtp.layers.{i}."
         if not _has_prefix(names, L):
-            raise _missing_module(cfg, source, i, [L])
+            raise _no_mtp(cfg, source, [L], i)
         prefixes.append(L)
         entries += _qwen_module(cfg, names, i, shared=i == 0)
     packed_any = any(e.assembly is Assembly.PACKED for e in entries)
@@ -313,6 +306,12 @@ _MIMO_REQUIRED = {
     "hidden_layernorm.weight": ("H", "[hidden_size]"),
     "input_proj.weight": ("H,2H", "[hidden_size, 2 * hidden_size]"),
     "final_layernorm.weight": ("H", "[hidden_size]"),
+}
+# Each family's layout name and the tensors its modules must have (others: "generic", none).
+_GENERIC_LAYOUTS = {
+    Architecture.DEEPSEEK_V3: ("nextn", _NEXTN_REQUIRED),
+    Architecture.GLM4_MOE: ("nextn", _NEXTN_REQUIRED),
+    Architecture.MIMO: ("mimo", _MIMO_REQUIRED),
 }
 _KNOWN_SHAPES = {
     **_NEXTN_REQUIRED,
@@ -424,25 +423,16 @@ def _generic_plan(
     if scheme is None:
         raise _no_mtp(cfg, source, [s[0] for s in schemes])
     entries, tied = _head_entries(cfg, name_set, source)
-    required = {
-        Architecture.DEEPSEEK_V3: _NEXTN_REQUIRED,
-        Architecture.GLM4_MOE: _NEXTN_REQUIRED,
-        Architecture.MIMO: _MIMO_REQUIRED,
-    }.get(cfg.architecture, {})
+    layout, required = _GENERIC_LAYOUTS.get(cfg.architecture, ("generic", {}))
     for i, prefix in enumerate(scheme):
         if not _has_prefix(names, prefix):
-            raise _missing_module(cfg, source, i, [prefix])
+            raise _no_mtp(cfg, source, [prefix], i)
         _check_present(
             [Entry(name=prefix + r, kind=EntryKind.ARRAY, sources=(prefix + r,)) for r in required],
             name_set,
             source,
         )
         entries += _generic_module(cfg, ckpt, names, prefix)
-    layout = {
-        Architecture.DEEPSEEK_V3: "nextn",
-        Architecture.GLM4_MOE: "nextn",
-        Architecture.MIMO: "mimo",
-    }.get(cfg.architecture, "generic")
     return Plan(
         layout=layout, entries=tuple(entries), mtp_prefixes=tuple(scheme), tied_embeddings=tied
     )
@@ -464,9 +454,7 @@ def plan(cfg: DrafterConfig, ckpt: SafetensorsCheckpoint, raw_config: Mapping[st
 # Converted tensors -> drafter params.
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["modules", "head"], meta_fields=[]
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterCheckpoint:
     """A converted checkpoint's drafter: one ``DrafterParams`` per MTP module, and the target's

@@ -37,11 +37,8 @@ import jax.numpy as jnp
 from mtpjax.config import LMHeadConfig
 from mtpjax.weights import (
     FP8_BLOCK,
-    Bf16Weight,
     Fp8BlockWeight,
-    Fp8RowWeight,
     Implementation,
-    Nvfp4Weight,
     Precision,
     Weight,
     WeightFormat,
@@ -49,6 +46,7 @@ from mtpjax.weights import (
     quantize,
 )
 from pallas_kernels import linear_backend
+from pallas_kernels.implementation import parse_enum
 
 __all__ = [
     "XLA_ROW_QUANTUM",
@@ -77,7 +75,7 @@ def _pad_rows(a: jax.Array, rows: int) -> jax.Array:
 
 
 def _check_head_weight(weight: Any) -> None:
-    if not isinstance(weight, Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight):
+    if not isinstance(weight, Weight):
         raise TypeError(f"the LM head weight must be a weight pytree, got {type(weight).__name__}")
     if len(weight.shape) != 2:
         raise ValueError(f"the LM head weight must be one [V, H] matrix, got shape {weight.shape}")
@@ -108,7 +106,7 @@ class LMHeadParams:
             raise ValueError(
                 f"LMHeadParams.embedding must be bf16[V, H], got {emb.dtype}{list(emb.shape)}"
             )
-        if not isinstance(self.weight, Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight):
+        if not isinstance(self.weight, Weight):
             return  # a pytree placeholder (specs, vmap axes), not a weight
         if not all(_is_array_like(x) for x in jax.tree.leaves(self.weight)):
             return
@@ -133,24 +131,10 @@ class LMHeadParams:
         return self.weight.shape[1]
 
 
-_FORMAT_NAMES = {"fp4": WeightFormat.NVFP4}
-
-
 def _parse_format(precision: str | WeightFormat | Precision) -> WeightFormat:
-    if isinstance(precision, WeightFormat):
-        return precision
     if isinstance(precision, Precision):
         return WeightFormat(precision.value)
-    if isinstance(precision, str):
-        name = precision.lower()
-        if name in _FORMAT_NAMES:
-            return _FORMAT_NAMES[name]
-        try:
-            return WeightFormat(name)
-        except ValueError:
-            pass
-    accepted = ", ".join([f.value for f in WeightFormat] + list(_FORMAT_NAMES))
-    raise ValueError(f"unknown LM head precision {precision!r}; expected one of: {accepted}")
+    return parse_enum(WeightFormat, precision, "LM head precision", {"fp4": WeightFormat.NVFP4})
 
 
 def _check_cfg_shape(cfg: LMHeadConfig, what: str, shape: tuple[int, ...]) -> None:
@@ -187,7 +171,7 @@ def from_arrays(
                 "is the head)"
             )
         lm_head = embedding
-    if isinstance(lm_head, Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight):
+    if isinstance(lm_head, Weight):
         if fmt is not None and fmt is not lm_head.format:
             raise ValueError(
                 f"lm_head is stored {lm_head.format.value} but precision={precision!r} was asked "
@@ -275,17 +259,13 @@ def _block_fp8_f32(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     return acc
 
 
-def _pad_to_quantum(x: jax.Array) -> jax.Array:
-    return _pad_rows(x, _round_up(max(x.shape[0], 1), XLA_ROW_QUANTUM))
-
-
 def _xla_rows(x: jax.Array, w: Weight) -> jax.Array:
     """The XLA path: ``x: [M, H]`` against a row-major ``[n, H]`` -> ``f32[M, n]``.
 
     ``linear``'s XLA reference on rows padded to the quantum, except block-128 FP8, whose
     reference sums in a row-count-dependent order (see ``_block_fp8_f32``).
     """
-    xp = _pad_to_quantum(x)
+    xp = _pad_rows(x, _round_up(max(x.shape[0], 1), XLA_ROW_QUANTUM))
     if isinstance(w, Fp8BlockWeight):
         scale = jnp.repeat(w.scale_inv, FP8_BLOCK, axis=0)[: w.out_features]  # [n, KB]
         out = _block_fp8_f32(xp.astype(_compute_dtype(x)), w.q, scale)
@@ -296,15 +276,7 @@ def _xla_rows(x: jax.Array, w: Weight) -> jax.Array:
 
 def _take_rows(w: Weight, n: int) -> Weight:
     """The first n rows of a ``[V, H]`` weight: a reduced vocab is never computed then sliced."""
-    if n == w.out_features:
-        return w
-    if isinstance(w, Bf16Weight):
-        return Bf16Weight(w=w.w[:n])
-    if isinstance(w, Fp8RowWeight):
-        return Fp8RowWeight(q=w.q[:n], scale=w.scale[:n])
-    if isinstance(w, Fp8BlockWeight):
-        return Fp8BlockWeight(q=w.q[:n], scale_inv=w.scale_inv[: -(-n // FP8_BLOCK)])
-    return Nvfp4Weight(packed=w.packed[:n], scale=w.scale[:n], scale_2=w.scale_2)
+    return w if n == w.out_features else w.map_rows(lambda a, per: a[: -(-n // per)])
 
 
 def _project(weight: Weight, x: jax.Array, *, n_cols: int, implementation: Implementation):

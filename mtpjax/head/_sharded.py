@@ -52,15 +52,7 @@ from mtpjax.head._lm_head import (
     _round_up,
 )
 from mtpjax.layers import partition_spec
-from mtpjax.weights import (
-    FP8_BLOCK,
-    Bf16Weight,
-    Fp8BlockWeight,
-    Fp8RowWeight,
-    Implementation,
-    Nvfp4Weight,
-    Weight,
-)
+from mtpjax.weights import FP8_BLOCK, Fp8BlockWeight, Implementation, Weight
 
 __all__ = [
     "HeadOutput",
@@ -123,31 +115,12 @@ def padded_vocab(weight: Weight, num_shards: int) -> int:
     return _round_up(weight.out_features, quantum)
 
 
-def _pad_weight(w: Weight, vp: int) -> Weight:
-    if isinstance(w, Bf16Weight):
-        return Bf16Weight(w=_pad_rows(w.w, vp))
-    if isinstance(w, Fp8RowWeight):
-        return Fp8RowWeight(q=_pad_rows(w.q, vp), scale=_pad_rows(w.scale, vp))
-    if isinstance(w, Fp8BlockWeight):
-        return Fp8BlockWeight(
-            q=_pad_rows(w.q, vp), scale_inv=_pad_rows(w.scale_inv, vp // FP8_BLOCK)
-        )
-    return Nvfp4Weight(
-        packed=_pad_rows(w.packed, vp), scale=_pad_rows(w.scale, vp), scale_2=w.scale_2
-    )
-
-
 # The head's leaves: the projection's rows are the vocab (split), the embedding's are not.
 HEAD_AXES = {
     "weight": ("vocab", "embed"),
     "embedding": ("vocab_in", "embed"),
     "final_norm": ("embed",),
 }
-
-
-def _row_specs(w: Weight, axis: str) -> Weight:
-    """PartitionSpecs splitting a [Vp, H] weight's rows (and per-row scales) over ``axis``."""
-    return partition_spec(w, HEAD_AXES["weight"], {"vocab": axis})
 
 
 def _place(tree, specs, mesh: Mesh):
@@ -162,7 +135,7 @@ def shard_lm_head(params: LMHeadParams, mesh: Mesh, axis_name: str) -> ShardedLM
     _check_head_weight(params.weight)
     num_shards = mesh.shape[axis_name]
     vp = padded_vocab(params.weight, num_shards)
-    weight = _pad_weight(params.weight, vp)
+    weight = params.weight.map_rows(lambda a, per: _pad_rows(a, vp // per))
     rules = {"vocab": axis_name}
     leaves = {"weight": weight, "embedding": params.embedding, "final_norm": params.final_norm}
     return ShardedLMHeadParams(
@@ -246,7 +219,7 @@ def _sharded_lm_head(params, hidden, *, cfg, draft, implementation, with_logits)
     logits, token, logprob = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(_row_specs(params.weight, axis), P()),
+        in_specs=(partition_spec(params.weight, HEAD_AXES["weight"], {"vocab": axis}), P()),
         out_specs=(P(None, axis) if with_logits else None, P(), P()),
         check_vma=False,
     )(params.weight, x)

@@ -12,7 +12,6 @@ Shapes: `[..., T]` rows, `H` hidden, `Nq` / `Nkv` query / KV heads, `D` head dim
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -23,11 +22,7 @@ from mtpjax.layers.rope import apply_rope
 from mtpjax.weights import Weight, linear
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionParams:
     """q_proj: [Nq*D*(2 if gated), H] (per head `[q_h, gate_h]`); k/v_proj: [Nkv*D, H];
@@ -41,10 +36,11 @@ class AttentionParams:
     k_norm: jax.Array | None = None
 
 
-def _norm_heads(x: jax.Array, w: jax.Array | None, cfg: Any) -> jax.Array:
-    if w is None:
-        return x.astype(jnp.float32)
-    return rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+def _norm_rope(x: jax.Array, w: jax.Array | None, positions: jax.Array, cfg: Any) -> jax.Array:
+    """The head norm (when ``w`` is given), then RoPE: [..., T, N, D] -> f32[..., T, N, D]."""
+    if w is not None:
+        x = rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+    return apply_rope(x, positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
 
 
 def project_kv(
@@ -59,13 +55,7 @@ def project_kv(
     v = linear(x, params.v_proj, out_dtype=jnp.float32, implementation=implementation)
     k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    k = apply_rope(
-        _norm_heads(k, params.k_norm, cfg),
-        positions,
-        rotary_dim=cfg.rotary_dim,
-        theta=cfg.rope_theta,
-    )
-    return k, v
+    return _norm_rope(k, params.k_norm, positions, cfg), v
 
 
 def project_q(
@@ -81,13 +71,7 @@ def project_q(
         q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim :]
     else:
         q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(
-        _norm_heads(q, params.q_norm, cfg),
-        positions,
-        rotary_dim=cfg.rotary_dim,
-        theta=cfg.rope_theta,
-    )
-    return q, gate
+    return _norm_rope(q, params.q_norm, positions, cfg), gate
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:

@@ -18,7 +18,6 @@ described in ``mtpjax.layers._spec``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -31,11 +30,7 @@ from mtpjax.layers.norms import rms_norm
 __all__ = ["DecoderLayerParams", "apply_ffn", "decoder_layer", "ffn_residual", "input_norm"]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["input_layernorm", "attention", "post_attention_layernorm", "ffn"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecoderLayerParams:
     """Attributes:
@@ -51,11 +46,13 @@ class DecoderLayerParams:
     ffn: DenseFfnParams | MoeFfnParams
 
 
+def _norm(x: jax.Array, weight: jax.Array, cfg: Any) -> jax.Array:
+    return rms_norm(x, weight, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+
+
 def input_norm(params: DecoderLayerParams, x: jax.Array, *, cfg: Any) -> jax.Array:
     """``input_layernorm(x)``: [..., H] -> f32[..., H], the input of q/k/v."""
-    return rms_norm(
-        x, params.input_layernorm, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm
-    )
+    return _norm(x, params.input_layernorm, cfg)
 
 
 def apply_ffn(
@@ -81,12 +78,7 @@ def ffn_residual(
     params: DecoderLayerParams, x: jax.Array, *, cfg: Any, implementation="auto"
 ) -> jax.Array:
     """``x + ffn(post_attention_layernorm(x))``: [..., H] -> f32[..., H]."""
-    y = rms_norm(
-        x,
-        params.post_attention_layernorm,
-        eps=cfg.rms_norm_eps,
-        zero_centered=cfg.zero_centered_norm,
-    )
+    y = _norm(x, params.post_attention_layernorm, cfg)
     return x.astype(jnp.float32) + apply_ffn(params.ffn, y, cfg=cfg, implementation=implementation)
 
 

@@ -15,11 +15,7 @@ import jax.numpy as jnp
 from mtpjax.weights import Weight, linear
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["gate_proj", "up_proj", "down_proj"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DenseFfnParams:
     """gate_proj, up_proj: [I, H]; down_proj: [H, I]. Stacked [E, ...] when used as experts."""
@@ -29,11 +25,7 @@ class DenseFfnParams:
     down_proj: Weight
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["router", "experts", "shared_expert", "shared_expert_gate"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoeFfnParams:
     """router: [E, H]; experts: DenseFfnParams stacked on a leading [E] axis;

@@ -14,6 +14,7 @@ import enum
 from collections.abc import Mapping
 
 from pallas_kernels import WeightFormat
+from pallas_kernels.implementation import parse_enum
 
 __all__ = [
     "Precision",
@@ -33,21 +34,9 @@ class Precision(enum.Enum):
     BF16 = "bf16"
 
 
-_PRECISION_NAMES = {
-    "nvfp4": Precision.NVFP4,
-    "fp4": Precision.NVFP4,
-    "fp8": Precision.FP8,
-    "bf16": Precision.BF16,
-}
-
-
 def parse_precision(s: str | Precision) -> Precision:
     """Parses ``nvfp4 | fp4 | fp8 | bf16`` in any case; anything else raises ValueError."""
-    if isinstance(s, Precision):
-        return s
-    if isinstance(s, str) and s.lower() in _PRECISION_NAMES:
-        return _PRECISION_NAMES[s.lower()]
-    raise ValueError(f"unknown precision {s!r}; expected one of: {', '.join(_PRECISION_NAMES)}")
+    return parse_enum(Precision, s, "precision", {"fp4": Precision.NVFP4})
 
 
 class Projection(enum.Enum):

@@ -26,11 +26,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.implementation import parse_enum
 
 __all__ = [
     "E2M1_MAX",
@@ -72,15 +75,7 @@ class WeightFormat(enum.Enum):
     @classmethod
     def parse(cls, fmt: str | WeightFormat) -> WeightFormat:
         """Parses a format name case-insensitively; unknown names raise ValueError."""
-        if isinstance(fmt, WeightFormat):
-            return fmt
-        if isinstance(fmt, str):
-            try:
-                return cls(fmt.lower())
-            except ValueError:
-                pass
-        accepted = ", ".join(f.value for f in cls)
-        raise ValueError(f"unknown weight format {fmt!r}; expected one of: {accepted}")
+        return parse_enum(cls, fmt, "weight format")
 
 
 def _is_array_like(leaf: Any) -> bool:
@@ -102,15 +97,44 @@ def _nbytes(*leaves: Any) -> int:
     return sum(math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
 
 
-def _check_matrix(cls_name: str, field: str, leaf: Any) -> None:
-    if len(leaf.shape) < 2:
-        raise ValueError(f"{cls_name}.{field} must be [..., N, K], got shape {tuple(leaf.shape)}")
-
-
 class _Matrix:
-    """What every weight type derives from its logical ``shape`` ``(..., N, K)`` and leaves."""
+    """What every weight type derives from its logical ``shape`` ``(..., N, K)`` and leaves.
 
-    shape: tuple[int, ...]
+    ``leaf_dtypes`` names each leaf's dtype, the ``[..., N, K]`` codes (or values) first; a type
+    checks its other leaves' shapes in ``_check_shapes``.
+    """
+
+    leaf_dtypes: ClassVar[dict[str, Any]]
+
+    def __post_init__(self) -> None:
+        leaves = {field: getattr(self, field) for field in self.leaf_dtypes}
+        if not all(_is_array_like(leaf) for leaf in leaves.values()):
+            return
+        cls_name, (codes, leaf) = type(self).__name__, next(iter(leaves.items()))
+        if len(leaf.shape) < 2:
+            raise ValueError(
+                f"{cls_name}.{codes} must be [..., N, K], got shape {tuple(leaf.shape)}"
+            )
+        for field, want in self.leaf_dtypes.items():
+            _check_dtype(cls_name, field, leaves[field], want)
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        pass
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical shape ``(..., N, K)``: the codes' shape."""
+        return tuple(getattr(self, next(iter(self.leaf_dtypes))).shape)
+
+    def map_rows(self, fn: Callable[[Any, int], Any]) -> Any:
+        """This 2-D weight with ``fn(leaf, per)`` applied to each leaf indexed by its rows, ``per``
+        rows to one leaf row (128 for ``scale_inv``); NVFP4's scalar ``scale_2`` is kept."""
+        leaves = {field: getattr(self, field) for field in self.leaf_dtypes}
+        per = {"scale_inv": FP8_BLOCK}
+        return type(self)(
+            **{f: v if v.ndim == 0 else fn(v, per.get(f, 1)) for f, v in leaves.items()}
+        )
 
     @property
     def out_features(self) -> int:
@@ -134,17 +158,7 @@ class Bf16Weight(_Matrix):
     w: jax.Array
 
     format: ClassVar[WeightFormat] = WeightFormat.BF16
-
-    def __post_init__(self) -> None:
-        if not _is_array_like(self.w):
-            return
-        _check_matrix("Bf16Weight", "w", self.w)
-        _check_dtype("Bf16Weight", "w", self.w, jnp.bfloat16)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Logical shape ``(..., N, K)``."""
-        return tuple(self.w.shape)
+    leaf_dtypes: ClassVar[dict[str, Any]] = {"w": jnp.bfloat16}
 
 
 @jax.tree_util.register_dataclass
@@ -159,23 +173,14 @@ class Fp8RowWeight(_Matrix):
     scale: jax.Array
 
     format: ClassVar[WeightFormat] = WeightFormat.FP8
+    leaf_dtypes: ClassVar[dict[str, Any]] = {"q": jnp.float8_e4m3fn, "scale": jnp.float32}
 
-    def __post_init__(self) -> None:
-        if not (_is_array_like(self.q) and _is_array_like(self.scale)):
-            return
-        _check_matrix("Fp8RowWeight", "q", self.q)
-        _check_dtype("Fp8RowWeight", "q", self.q, jnp.float8_e4m3fn)
-        _check_dtype("Fp8RowWeight", "scale", self.scale, jnp.float32)
+    def _check_shapes(self) -> None:
         if tuple(self.scale.shape) != tuple(self.q.shape[:-1]):
             raise ValueError(
                 f"Fp8RowWeight.scale must have shape {tuple(self.q.shape[:-1])} (one per row of "
                 f"q {tuple(self.q.shape)}), got {tuple(self.scale.shape)}"
             )
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Logical shape ``(..., N, K)``."""
-        return tuple(self.q.shape)
 
 
 @jax.tree_util.register_dataclass
@@ -191,13 +196,9 @@ class Fp8BlockWeight(_Matrix):
     scale_inv: jax.Array
 
     format: ClassVar[WeightFormat] = WeightFormat.FP8_BLOCK
+    leaf_dtypes: ClassVar[dict[str, Any]] = {"q": jnp.float8_e4m3fn, "scale_inv": jnp.float32}
 
-    def __post_init__(self) -> None:
-        if not (_is_array_like(self.q) and _is_array_like(self.scale_inv)):
-            return
-        _check_matrix("Fp8BlockWeight", "q", self.q)
-        _check_dtype("Fp8BlockWeight", "q", self.q, jnp.float8_e4m3fn)
-        _check_dtype("Fp8BlockWeight", "scale_inv", self.scale_inv, jnp.float32)
+    def _check_shapes(self) -> None:
         *lead, n, k = self.q.shape
         want = (*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
         if tuple(self.scale_inv.shape) != want:
@@ -205,11 +206,6 @@ class Fp8BlockWeight(_Matrix):
                 f"Fp8BlockWeight.scale_inv must have shape {want} (ceil(N/128), ceil(K/128) for "
                 f"q {tuple(self.q.shape)}), got {tuple(self.scale_inv.shape)}"
             )
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """Logical shape ``(..., N, K)``."""
-        return tuple(self.q.shape)
 
 
 @jax.tree_util.register_dataclass
@@ -226,14 +222,13 @@ class Nvfp4Weight(_Matrix):
     scale_2: jax.Array
 
     format: ClassVar[WeightFormat] = WeightFormat.NVFP4
+    leaf_dtypes: ClassVar[dict[str, Any]] = {
+        "packed": jnp.uint8,
+        "scale": jnp.float8_e4m3fn,
+        "scale_2": jnp.float32,
+    }
 
-    def __post_init__(self) -> None:
-        if not all(_is_array_like(x) for x in (self.packed, self.scale, self.scale_2)):
-            return
-        _check_matrix("Nvfp4Weight", "packed", self.packed)
-        _check_dtype("Nvfp4Weight", "packed", self.packed, jnp.uint8)
-        _check_dtype("Nvfp4Weight", "scale", self.scale, jnp.float8_e4m3fn)
-        _check_dtype("Nvfp4Weight", "scale_2", self.scale_2, jnp.float32)
+    def _check_shapes(self) -> None:
         *lead, n, half_k = self.packed.shape
         if (2 * half_k) % NVFP4_BLOCK:
             raise ValueError(

@@ -93,8 +93,6 @@ N_ALIGN = 8
 _CHUNK = 64
 #: K elements per code byte, per weight format.
 _ELEMS_PER_BYTE = {"nvfp4": 2, "fp8": 1, "fp8_block": 1}
-#: The FP8 formats: one E4M3 code per byte, the same decode and K permutation.
-_FP8_FORMATS = ("fp8", "fp8_block")
 #: Rows and columns of one FP8 block-128 scale (DeepSeek-V3 ``weight_scale_inv``).
 FP8_BLOCK = 128
 
@@ -313,14 +311,7 @@ def _chunk_plan(block_n: int, tile_bytes: int, chunk: int, fmt: str = "nvfp4"):
     return plan
 
 
-def _decode_chunk_gpu(
-    codes,
-    scale_smem,
-    *,
-    fmt: str,
-    chunk: int,
-    block_n: int,
-):
+def _decode_chunk_gpu(codes, scale_smem, *, fmt: str, chunk: int, block_n: int):
     """float16[block_n, 64] ``WGMMA_LAYOUT`` operand for logical K chunk ``chunk`` of ``codes``.
 
     ``codes`` is a uint8[block_n, B] code tile in ``WGMMA_LAYOUT_8BIT`` (each register: 4
@@ -409,7 +400,7 @@ def _swizzled(bits: int) -> tuple:
 
 def _weight_specs(fmt: str, bn: int, bk: int, ni) -> list:
     """BlockSpecs of the weight operands of one CTA step (codes first)."""
-    if fmt in _FP8_FORMATS:
+    if fmt != "nvfp4":  # FP8: one E4M3 code per byte
         return [plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), transforms=_swizzled(8))]
     return [
         plgpu.BlockSpec((bn, bk // 2), lambda ki: (ni, ki), transforms=_swizzled(8)),
@@ -433,26 +424,16 @@ def _build_kernel(
     *,
     fmt: str = "nvfp4",
 ):
-    """The GEMV kernel of every format (one pipeline, the decode chosen by ``fmt``).
+    """The GEMV kernel of every format (one pipeline, the decode chosen by ``fmt``) -> f32[m, N].
 
     Operands: x float16[m_pad, K] (permuted for ``fmt``), f32[m_pad] row factors, then NVFP4
-    codes uint8[N, K/2] and scales uint8[N, K/16], or FP8 codes
-    uint8[N, K] and f32[cdiv(N, block_n) * block_n] row scales of the weight ("fp8"), or
-    FP8 codes uint8[N, K] and block scales f32[cdiv(N, 128), K/128] ("fp8_block").
-
-    FP8 block-128 (``block_n`` 64 or 128, so a CTA's rows share one scale row): each 128-wide K
-    block (one 128-byte code slab, two ``wgmma`` chunks) accumulates into a fresh F32
-    accumulator, which is awaited (``wgmma_wait(0)``) and added into the main one, a pipeline
-    carry, times the block's scale, read as a scalar from global memory (in F32: scaling the
-    float16 operand would round).
-
-    Returns f32[m, N]: ``acc * row_factor`` (NVFP4, FP8 block-128) or
-    ``acc * scale[n] * row_factor`` (FP8 per-row), in that order in F32. Each CTA scales its
-    [block_n, m_pad] accumulator
-    in registers, moves it to the ``WGMMA_TRANSPOSED`` layout (one shuffle per register pair),
-    stores it into a [m_pad, block_n] shared-memory tile through a transposed view (the
-    pipeline's buffers, free by then) and copies the tile out with TMA, which drops the rows
-    past ``m`` and the columns past N.
+    codes uint8[N, K/2] and scales uint8[N, K/16]; FP8 codes uint8[N, K] and f32[cdiv(N,
+    block_n) * block_n] weight-row scales ("fp8"); or FP8 codes uint8[N, K] and block scales
+    f32[cdiv(N, 128), K/128] ("fp8_block", ``block_n`` 64 or 128 so a CTA's rows share one
+    scale row). The block scales multiply each K block's F32 partial sum (scaling the float16
+    operand would round); the epilogue (module docstring) moves the scaled accumulator to the
+    ``WGMMA_TRANSPOSED`` layout, one shuffle per register pair, into the pipeline's freed
+    shared memory.
     """
     m_pad = C.round_up(m, 8)
     bn, bk = cfg.block_n, cfg.block_k
@@ -461,8 +442,8 @@ def _build_kernel(
     tile_bytes = bk // _ELEMS_PER_BYTE[fmt]
     # NVFP4 loads a step's codes at once (measured); FP8 one 128-byte swizzle row (two chunks)
     # at a time, so the live code registers stay at ``block_n`` bytes per thread.
-    slab = tile_bytes if fmt == "nvfp4" else 128
-    chunks_per_slab = slab * _ELEMS_PER_BYTE[fmt] // _CHUNK
+    slab_bytes = tile_bytes if fmt == "nvfp4" else 128
+    chunks_per_slab = slab_bytes * _ELEMS_PER_BYTE[fmt] // _CHUNK
     n_weights = 2 if fmt == "nvfp4" else 1
     block_scaled = fmt == "fp8_block"
     if block_scaled and (FP8_BLOCK % bn or k % FP8_BLOCK):
@@ -487,85 +468,54 @@ def _build_kernel(
                 col = jnp.minimum(col, k_cols - 1)
             return bscale_gmem[ni * bn // FP8_BLOCK, col]
 
-        def step_block_gpu(ki, carry, x_smem, codes_smem):
-            for s in range(bk // FP8_BLOCK):
-                codes = plgpu.load(
-                    codes_smem.at[:, pl.ds(s * FP8_BLOCK, FP8_BLOCK)],
-                    layout=plgpu.Layout.WGMMA_8BIT,
-                )
+        def slab(codes_smem, scale_smem, a_smem, s):
+            """``c -> float16[bn, 64]``, the operand of chunk ``c`` of slab ``s`` of the step's
+            codes: decoded in registers from the slab's codes (GPU), or a view of ``a_smem``,
+            into which the interpreter decodes the whole tile at the first slab."""
+            if a_smem is None:
+                view = codes_smem
+                if slab_bytes != tile_bytes:
+                    view = codes_smem.at[:, pl.ds(s * slab_bytes, slab_bytes)]
+                codes = plgpu.load(view, layout=plgpu.Layout.WGMMA_8BIT)
+                return lambda c: _decode_chunk_gpu(codes, scale_smem, fmt=fmt, chunk=c, block_n=bn)
+            if s == 0:
+                tile = codes_smem[...]
+                fp8 = scale_smem is None
+                a_smem[...] = decode_tile_fp8(tile) if fp8 else decode_tile(tile, scale_smem[...])
+            return lambda c: a_smem.at[:, pl.ds((s * chunks_per_slab + c) * _CHUNK, _CHUNK)]
+
+        def mma(acc_ref, x_smem, operand, s):
+            """The wgmma of slab ``s``'s chunks into ``acc_ref``."""
+            for c in range(chunks_per_slab):
+                col = (s * chunks_per_slab + c) * _CHUNK
+                plgpu.wgmma(acc_ref, operand(c), x_smem.at[:, pl.ds(col, _CHUNK)].T)
+                plgpu.wgmma_wait(1)
+
+        def step(acc_ref, x_smem, a_smem, codes_smem, scale_smem=None):
+            for s in range(tile_bytes // slab_bytes):
+                mma(acc_ref, x_smem, slab(codes_smem, scale_smem, a_smem, s), s)
+
+        def step_block(ki, carry, x_smem, a_smem, codes_smem):
+            for s in range(bk // FP8_BLOCK):  # one slab per K block
+                operand = slab(codes_smem, None, a_smem, s)
                 scale = block_scale(ki, s)  # loaded early: its latency hides behind the MMAs
 
-                def block_mma(part_ref, codes=codes, s=s):
-                    for c in range(FP8_BLOCK // _CHUNK):
-                        a = _decode_chunk_gpu(
-                            codes,
-                            None,
-                            fmt=fmt,
-                            chunk=c,
-                            block_n=bn,
-                        )
-                        col = s * FP8_BLOCK + c * _CHUNK
-                        plgpu.wgmma(part_ref, a, x_smem.at[:, pl.ds(col, _CHUNK)].T)
-                        plgpu.wgmma_wait(1)
+                def block_mma(part_ref, operand=operand, s=s):
+                    mma(part_ref, x_smem, operand, s)
                     return part_ref[...]  # waits for every wgmma
 
-                part = pl.run_scoped(block_mma, plgpu.ACC((bn, m_pad)))
-                carry = carry + part * scale
+                carry = carry + pl.run_scoped(block_mma, plgpu.ACC((bn, m_pad))) * scale
             return carry
-
-        def step_block_interpret(ki, carry, x_smem, a_smem, codes_smem):
-            a_smem[...] = decode_tile_fp8(codes_smem[...])
-            for s in range(bk // FP8_BLOCK):
-
-                def block_mma(part_ref, s=s):
-                    for c in range(FP8_BLOCK // _CHUNK):
-                        cols = pl.ds(s * FP8_BLOCK + c * _CHUNK, _CHUNK)
-                        plgpu.wgmma(part_ref, a_smem.at[:, cols], x_smem.at[:, cols].T)
-                        plgpu.wgmma_wait(1)
-                    return part_ref[...]
-
-                part = pl.run_scoped(block_mma, plgpu.ACC((bn, m_pad)))
-                carry = carry + part * block_scale(ki, s)
-            return carry
-
-        def step_gpu(acc_ref, x_smem, codes_smem, *scale_smem):
-            for s in range(tile_bytes // slab):
-                view = codes_smem if slab == tile_bytes else codes_smem.at[:, pl.ds(s * slab, slab)]
-                codes = plgpu.load(view, layout=plgpu.Layout.WGMMA_8BIT)
-                for c in range(chunks_per_slab):
-                    a = _decode_chunk_gpu(
-                        codes,
-                        scale_smem[0] if scale_smem else None,
-                        fmt=fmt,
-                        chunk=c,
-                        block_n=bn,
-                    )
-                    col = (s * chunks_per_slab + c) * _CHUNK
-                    plgpu.wgmma(acc_ref, a, x_smem.at[:, pl.ds(col, _CHUNK)].T)
-                    plgpu.wgmma_wait(1)
-
-        def step_interpret(acc_ref, x_smem, a_smem, codes_smem, *scale_smem):
-            if fmt == "nvfp4":
-                a_smem[...] = decode_tile(codes_smem[...], scale_smem[0][...])
-            else:
-                a_smem[...] = decode_tile_fp8(codes_smem[...])
-            for c in range(bk // _CHUNK):
-                cols = pl.ds(c * _CHUNK, _CHUNK)
-                plgpu.wgmma(acc_ref, a_smem.at[:, cols], x_smem.at[:, cols].T)
-                plgpu.wgmma_wait(1)
 
         in_specs = [
             *_weight_specs(fmt, bn, bk, ni),
             plgpu.BlockSpec((m_pad, bk), lambda ki: (0, ki), transforms=_swizzled(16)),
         ]
 
-        def run(acc_ref, *scratch):
+        def run(acc_ref, a_smem):
             def pipeline_body(_, *smem):
                 *w_smem, x_smem = smem
-                if interpret:
-                    step_interpret(acc_ref, x_smem, *scratch, *w_smem)
-                else:
-                    step_gpu(acc_ref, x_smem, *w_smem)
+                step(acc_ref, x_smem, a_smem, *w_smem)
                 # The last wgmma reads x_smem: finish it before the pipeline refills the slot
                 # (cheaper in shared memory than releasing every slot one step late).
                 plgpu.wgmma_wait(0)
@@ -575,15 +525,13 @@ def _build_kernel(
             )(*w_gmem, x_gmem)
             return acc_ref[...]
 
-        def run_block_scaled(*scratch):
+        def run_block_scaled(a_smem):
             """fp8_block: the main accumulator is the pipeline's carry (each K block's partial
             sum, already awaited, is added to it in registers)."""
 
             def pipeline_body(idx, *smem_and_carry):
                 *w_smem, x_smem, carry = smem_and_carry
-                if interpret:
-                    return step_block_interpret(idx[0], carry, x_smem, *scratch, *w_smem)
-                return step_block_gpu(idx[0], carry, x_smem, *w_smem)
+                return step_block(idx[0], carry, x_smem, a_smem, *w_smem)
 
             zero = plgpu.layout_cast(jnp.zeros((bn, m_pad), jnp.float32), plgpu.Layout.WGMMA)
             return plgpu.emit_pipeline(
@@ -609,11 +557,11 @@ def _build_kernel(
             plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, m_pad), pl.ds(ni * bn, bn)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def with_scratch(*scratch):
+        def with_scratch(a_smem=None):
             if block_scaled:
-                acc = run_block_scaled(*scratch)
+                acc = run_block_scaled(a_smem)
             else:
-                acc = pl.run_scoped(lambda acc_ref: run(acc_ref, *scratch), plgpu.ACC((bn, m_pad)))
+                acc = pl.run_scoped(lambda acc_ref: run(acc_ref, a_smem), plgpu.ACC((bn, m_pad)))
             # A scope after the pipeline's: its shared memory is reused.
             pl.run_scoped(
                 lambda o_smem: store_fused(acc, o_smem), plgpu.SMEM((m_pad, bn), jnp.float32)
@@ -639,15 +587,11 @@ def _build_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_rows(x: jax.Array) -> None:
-    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
-        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
-
-
 def _check_aligned(x: jax.Array, nw: int, kw: int, k_align: int) -> tuple[int, int]:
     """Checks x [M, K] against a weight of [nw, kw] (nw % 8, kw % k_align, K <= kw < K +
     k_align: x's columns past K are zero-padded). Returns (M, K)."""
-    _check_rows(x)
+    if x.ndim != 2 or not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"x must be [M, K] with 1 <= M <= {MAX_ROWS}, got {x.shape}")
     m, k = x.shape
     if kw % k_align or nw % N_ALIGN:
         raise ValueError(

@@ -295,20 +295,18 @@ def _gemv_kernel(
         prefetch=prefetch,
     )
 
-    # Epilogue: per-row (weight) and per-activation-row scales, then a masked store.
-    row_scale = None
+    # Epilogue: the weight's scale (FP8: per row [bn]; NVFP4: global), the activation rows'
+    # (dot), then a masked store.
+    wscale = None
     if fmt == "fp8":
-        row_scale = _masked_load(rscale_ref.at[pl.ds(n0, bn)], row_ok)
-    gscale = None
-    if fmt == "nvfp4":
-        gscale = gscale_ref[0] * C.E2M1_F16_UNBIAS
+        wscale = _masked_load(rscale_ref.at[pl.ds(n0, bn)], row_ok)
+    elif fmt == "nvfp4":
+        wscale = gscale_ref[0] * C.E2M1_F16_UNBIAS
     if fma:
         for r in range(m):
             v = jnp.sum(acc[r], axis=1) if fmt == "nvfp4" else acc[r]
-            if row_scale is not None:
-                v = v * row_scale
-            if gscale is not None:
-                v = v * gscale
+            if wscale is not None:
+                v = v * wscale
             dst = o_ref.at[pid_s, jnp.int32(r), pl.ds(n0, bn)]
             if row_ok is None:
                 dst[...] = v
@@ -316,10 +314,8 @@ def _gemv_kernel(
                 plgpu.store(dst, v, mask=row_ok)
         return
     v = acc * xinv_ref[...][None, :]
-    if row_scale is not None:
-        v = v * row_scale[:, None]
-    if gscale is not None:
-        v = v * gscale
+    if wscale is not None:
+        v = v * (wscale[:, None] if fmt == "fp8" else wscale)
     v = v.T  # [m_pad, bn]
     rmask = (jnp.arange(m_pad, dtype=jnp.int32) < m)[:, None]
     mask = _and_masks(rmask, None if row_ok is None else row_ok[None, :])
@@ -383,7 +379,7 @@ def _gemv(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32),
         grid=(C.cdiv(n, bn), split),
-        compiler_params=C.compiler_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"{fmt}_gemv",
     )(*xs, xinv, *weights)

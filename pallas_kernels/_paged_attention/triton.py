@@ -194,21 +194,9 @@ def paged_attention(
     out_dtype=jnp.float32,
     interpret: bool = False,
 ) -> jax.Array:
-    """Decode attention of one query row per sequence over a paged KV pool.
-
-    Args:
-      q: [B, n_q, D] queries.
-      k_pool, v_pool: [num_blocks, block_size, n_kv, D], bf16 or float8_e4m3fn.
-      block_tables: int32[B, max_blocks].
-      lengths: int32[B], rows 0..length-1 of each sequence are attended.
-      scale: softmax scale applied to q.k.
-      k_scale, v_scale: FP8 dequantisation scales, f32 scalar, f32[num_blocks, n_kv] or
-        f32[num_blocks, block_size, n_kv]; required for FP8 pools, must be None for BF16 pools.
-      out_dtype: output dtype (f32 or bf16).
-
-    Returns:
-      [B, n_q, D] attention output.
-    """
+    """Decode attention of one query row per sequence over a paged KV pool -> [B, n_q, D] in
+    ``out_dtype`` (f32 or bf16); shapes and FP8 scales as in the module docstring, ``scale`` the
+    softmax scale of q.k."""
     check_operands(q, k_pool, v_pool, block_tables, lengths, k_scale, v_scale)
     if (reason := supports(q, k_pool)) is not None:
         raise ValueError(reason)
@@ -264,7 +252,7 @@ def paged_attention(
             jax.ShapeDtypeStruct((bsz, n_kv, splits, g_pad), f32),
         ),
         grid=(bsz, n_kv, splits),
-        compiler_params=C.compiler_params(cfg.num_warps, cfg.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="paged_attention",
     )(*ins)
