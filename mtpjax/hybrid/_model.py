@@ -22,8 +22,9 @@ leading [G] axis over the groups):
 and ``base`` int32[B]: GDN snapshot ``j`` is the state after position ``base + j``, whose conv
 state is ``conv[j + 1 : j + K]``. W (``max_step``) is the most rows a step may take. A step at
 ``start`` first commits by pure selection: it continues from snapshot ``j = start - 1 - base``
-(``base < start <= base + W`` from the previous step's S rows; out-of-range values are
-clamped), runs its S rows, keeps their S snapshots and sets ``base = start``. So, as for the KV
+(``base < start <= base + S`` for the previous step's S rows; other values are clamped
+into range, so a sequence stepped again at the same start, as ``generate`` does with finished
+ones whose rows it discards, continues from snapshot 0), runs its S rows, keeps their S snapshots and sets ``base = start``. So, as for the KV
 cache, rolling back rejected drafts is "the next step starts at the committed length": nothing
 is recomputed. ``prefill`` leaves one snapshot, after each sequence's own length (padded
 positions get beta = 0 and g = 0, so they leave the recurrent state unchanged), with

@@ -43,22 +43,8 @@ __all__ = [
     "model_leaves",
 ]
 
-_GDN_FIELDS = (
-    "in_proj_qkvz",
-    "in_proj_ba",
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
-    "conv1d",
-    "dt_bias",
-    "A_log",
-    "norm",
-    "out_proj",
-)
 
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_GDN_FIELDS), meta_fields=[])
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GdnParams:
     """One Gated DeltaNet mixer (``linear_attn.*``); the layout's unused projections are None.
@@ -83,11 +69,7 @@ class GdnParams:
     out_proj: Weight
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["input_layernorm", "linear_attn", "post_attention_layernorm", "ffn"],
-    meta_fields=[],
-)
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GdnLayerParams:
     """A GDN decoder layer: input_layernorm [H], the mixer, post_attention_layernorm [H], and a
@@ -203,7 +185,9 @@ def _layer_from_named(named: Mapping[str, Any], prefix: str, cfg: HybridConfig, 
     # The shared builder assembles the norms and the FFN; a GDN layer has no self_attn leaves.
     absent = {f"{prefix}self_attn.{p}": None for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     shared = layer_from_named(collections.ChainMap(named, absent), prefix, cfg=view)
-    gdn = {f: named.get(f"{prefix}linear_attn.{f}") for f in _GDN_FIELDS}
+    gdn = {
+        f.name: named.get(f"{prefix}linear_attn.{f.name}") for f in dataclasses.fields(GdnParams)
+    }
     return GdnLayerParams(
         input_layernorm=shared.input_layernorm,
         linear_attn=GdnParams(**gdn),
