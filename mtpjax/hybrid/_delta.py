@@ -62,7 +62,9 @@ def causal_conv(x: jax.Array, weight: jax.Array) -> jax.Array:
 def recurrent_delta_rule(
     q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """One position at a time (a ``lax.scan`` over T).
+    """One position at a time: a ``lax.scan`` over T. It is kept a loop (not unrolled) so that
+    every row runs the same compiled body: a row's result does not depend on its index in a
+    step's window, which greedy speculation's exactness against one-row decoding needs.
 
     q, k: [B, T, Hv, dk]; v: [B, T, Hv, dv]; g, beta: [B, T, Hv]; state: f32[B, Hv, dk, dv].
     Returns (o f32[B, T, Hv, dv], states f32[B, T, Hv, dk, dv]: the state after each position).
