@@ -499,9 +499,12 @@ def _step(params, head, state, tokens, start, *, cfg, implementation):
 class _InitState:
     cfg: HybridConfig
     max_step: int
+    kv_dtype: jnp.dtype
 
     def __call__(self, batch: int, max_len: int) -> HybridState:
-        return init_state(self.cfg, batch=batch, max_len=max_len, max_step=self.max_step)
+        return init_state(
+            self.cfg, batch=batch, max_len=max_len, max_step=self.max_step, kv_dtype=self.kv_dtype
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -525,11 +528,13 @@ def target_model(
     head: LMHeadParams,
     *,
     max_step: int = 4,
+    kv_dtype: jnp.dtype = jnp.float32,
     implementation: Implementation | str = Implementation.AUTO,
 ) -> TargetModel:
     """The hybrid target as a ``mtpjax.TargetModel`` for ``generate`` / ``generate_baseline``;
     its params are ``(params, head)``. ``max_step`` bounds the rows of a step (``num_drafts +
-    1``, or the baseline's ``step_width``): the state keeps that many GDN snapshots."""
+    1``, or the baseline's ``step_width``): the state keeps that many GDN snapshots; its KV
+    cache is ``kv_dtype``."""
     if not isinstance(cfg, HybridConfig):
         raise TypeError(f"cfg must be a HybridConfig, got {type(cfg).__name__}")
     check_params(params, cfg)
@@ -537,7 +542,7 @@ def target_model(
     implementation = Implementation.parse(implementation)
     return TargetModel(
         params=(params, head),
-        init_cache=_InitState(cfg=cfg, max_step=max_step),
+        init_cache=_InitState(cfg=cfg, max_step=max_step, kv_dtype=jnp.dtype(kv_dtype)),
         prefill=_Call(fn=prefill, cfg=cfg, implementation=implementation),
         step=_Call(fn=step, cfg=cfg, implementation=implementation),
     )
