@@ -441,8 +441,8 @@ def goldens(
             g["prefill_hidden"][b, :n] = out.hidden_states[-1][0].numpy()
             g["prefill_logits"][b, :n] = out.logits[0].numpy()
             cache = _cache_of(out)
-            conv.append([cache.get_conv_state(i)[0, :, -(K - 1) :].numpy() for i in linear])
-            recurrent.append([cache.get_recurrent_state(i)[0].numpy() for i in linear])
+            conv.append([cache.get_conv_state(i)[0, :, -(K - 1) :].clone().numpy() for i in linear])
+            recurrent.append([cache.get_recurrent_state(i)[0].clone().numpy() for i in linear])
 
             # Token-by-token decode with transformers' cache (its single-token recurrent path).
             for j in range(DECODE):

@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtpjax import hybrid
 from mtpjax.weights import dequantize
-
-hybrid = pytest.importorskip("mtpjax.hybrid")
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hybrid"
 NAMES = ("qwen3_5_dense", "qwen3_next_moe")
@@ -100,12 +99,25 @@ def _prefilled(g, cfg, params, head):
 
 
 def test_prefill_then_decode(case):
-    """prefill over the ragged batch, then six one-token steps: transformers' cached decode."""
+    """prefill over the ragged batch (its hidden, and every GDN layer's conv and recurrent state
+    after each prompt), then six one-token steps: transformers' cached decode."""
     name, g, cfg, params, head, logits = case
     valid = _valid(g)
     hidden, state = _prefilled(g, cfg, params, head)
     T = g["tokens"].shape[1]
     close(np.asarray(hidden)[valid], g["prefill_hidden"][valid], cfg, T, f"{name} prefill")
+    # The GDN states after each prompt, in layer order: transformers' conv state is [C, K-1].
+    conv, recurrent = {}, {}
+    for slot, selected in enumerate(hybrid.commit(state, jnp.asarray(g["lengths"]), cfg=cfg)):
+        for group in range(0 if selected is None else cfg.num_hidden_layers // cfg.period):
+            conv[group * cfg.period + slot] = np.asarray(selected[0][group])
+            recurrent[group * cfg.period + slot] = np.asarray(selected[1][group])
+    order = sorted(conv)
+    golden_conv = np.swapaxes(g["prefill_conv_state"], -1, -2)
+    close(np.stack([conv[i] for i in order]), golden_conv, cfg, T, f"{name} conv state")
+    golden_recurrent = g["prefill_recurrent_state"]
+    found_recurrent = np.stack([recurrent[i] for i in order])
+    close(found_recurrent, golden_recurrent, cfg, T, f"{name} recurrent state")
     found = []
     for j in range(g["decode_tokens"].shape[1]):
         start = jnp.asarray(g["lengths"] + j)
