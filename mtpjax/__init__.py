@@ -13,12 +13,13 @@ in its own subpackage:
     mtpjax.verify      the verify step; its modules accept (the rule) and metrics (vLLM's)
     mtpjax.checkpoint  Hugging Face checkpoint conversion and load_drafter
     mtpjax.generation  speculative generation (one while_loop) and the plain baseline
-    mtpjax.reference   the reference target model used by the demo and the tests
+    mtpjax.hybrid      the Qwen3.5 / Qwen3-Next target (Gated DeltaNet + full attention)
+    mtpjax.reference   the reference full-attention target used by the demo and the tests
 
 The verify step is `mtpjax.verify.verify` and the acceptance rule `mtpjax.accept`.
 """
 
-from mtpjax import verify
+from mtpjax import hybrid, verify
 from mtpjax.checkpoint import DrafterCheckpoint, load_drafter
 from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
 from mtpjax.drafter import (
@@ -68,6 +69,7 @@ __all__ = [
     "drafter_forward",
     "generate",
     "generate_baseline",
+    "hybrid",
     "init_state",
     "linear",
     "lm_head",
