@@ -15,11 +15,12 @@ Sections (``--sections``):
 * ``27b``: Qwen3.5-27B-like shapes at B = 1 and ``--context`` 4096: hidden 5120; full attention
   24 query / 4 KV heads of 256, partial RoPE 0.25; GDN 16 key / 48 value heads of 128, conv
   kernel 4; dense FFN 17408; vocab 248320. Three reduced models share one set of weights:
-  ``GGGF`` (3 GDN + 1 full-attention layer, one group of the 64-layer model: the verify against
-  decode headline), ``GDN`` (those 3 GDN layers) and ``full`` (that full-attention layer).
-  Each is stepped with 1 row and with k + 1 rows (``--drafts`` k = 3) from a state that keeps
-  k + 1 GDN snapshots; ``GGGF`` also with 1 row from a state that keeps one (what plain decoding
-  allocates). Per layer, the bytes a step must move (weights; GDN: the selected conv history and
+  ``mixed`` ([G, G, G, F] x 2: two of the 64-layer model's 16 groups, so that the scan over the
+  groups stays a loop, as it is there: a one-trip loop is inlined, and its state updates with it;
+  the verify against decode headline), ``GDN`` (its 6 GDN layers) and ``full`` (its 2
+  full-attention layers). Each is stepped with 1 row and with k + 1 rows (``--drafts`` k = 3)
+  from a state that keeps k + 1 GDN snapshots; ``mixed`` also with 1 row from a state that keeps
+  one (what plain decoding allocates). Per layer, the bytes a step must move (weights; GDN: the selected conv history and
   recurrent snapshot read, the conv window and the S recurrent snapshots written; full attention:
   the KV rows attended and written) over the device copy's bandwidth in the same process is the
   roofline. Then the delta rule alone at the GDN shapes: the library's ``recurrent_delta_rule``
@@ -63,11 +64,11 @@ from benchmarks import harness
 
 SECTIONS = ("27b", "0.8b")
 #: The reduced 27B-like models: name -> layer pattern (G: GDN, F: full attention).
-MODELS_27B = {"GGGF": "GGGF", "GDN": "GGG", "full": "F"}
-#: The same for --smoke: half the layers per program, half the compile time.
-SMOKE_MODELS_27B = {"GGGF": "GF", "GDN": "G", "full": "F"}
-#: What a layer of each reduced model stands for in the 64-layer model (16 groups of GGGF).
-LAYERS_IN_64 = {"GGGF": 64, "GDN": 48, "full": 16}
+MODELS_27B = {"mixed": "GGGF" * 2, "GDN": "G" * 6, "full": "FF"}
+#: The same for --smoke: half the layers per group, half the compile time.
+SMOKE_MODELS_27B = {"mixed": "GF" * 2, "GDN": "GG", "full": "FF"}
+#: The layers of each kind in the 64-layer model (16 groups of [G, G, G, F]).
+LAYERS_IN_64 = {"mixed": 64, "GDN": 48, "full": 16}
 VARIANTS = ("library", "one_pass", "reduce", "unrolled")
 GPU_DEFAULTS = dict(
     context=4096, small_context=2048, prompts="512,2048", batches="1,8",
@@ -111,7 +112,7 @@ def _pattern_types(pattern: str) -> list[str]:
 
 
 def config_27b(pattern: str, *, smoke: bool):
-    """The 27B-like config with the layers of ``pattern`` (``"GGGF"``), or a tiny one."""
+    """The 27B-like config with the layers of ``pattern`` (``"GGGFGGGF"``), or a tiny one."""
     from mtpjax import hybrid
 
     if smoke:  # HybridConfig.tiny's shapes
@@ -197,54 +198,52 @@ def delta_rule_bytes(*, batch: int, rows: int, hv: int, dk: int, dv: int) -> int
 # ---------------------------------------------------------------------------------------------
 
 
-def _scan_rows(body, q, k, v, g, beta, state):
-    """``body`` over the rows of ``[B, T, ...]`` inputs, as the library's rule scans them."""
+def _one_read_rule(contract, q, k, v, g, beta, state):
+    """``recurrent_delta_rule`` reading each row's state once: with ``e = exp(g)``,
+    ``k^T (e S) = e (k^T S)`` and ``q^T S' = e (q^T S) + (q . k) u``, so both contractions are
+    one ``contract([k; q] [B, Hv, 2, dk], S [B, Hv, dk, dv]) -> [B, Hv, 2, dv]`` of the old
+    state, and ``S' = e S + k u^T`` is one elementwise pass. Still a scan over the rows, as the
+    library's: every row runs the same compiled body. Shapes as the library's."""
     import jax
     import jax.numpy as jnp
+
+    def body(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        e = jnp.exp(g_t)[..., None]  # [B, Hv, 1]
+        r = contract(jnp.stack([k_t, q_t], axis=-2), s)
+        u = (v_t - e * r[..., 0, :]) * b_t[..., None]
+        o = e * r[..., 1, :] + jnp.sum(q_t * k_t, axis=-1, keepdims=True) * u
+        s = s * e[..., None] + k_t[..., :, None] * u[..., None, :]
+        return s, (o, s)
 
     xs = tuple(jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta))
     _, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), xs)
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
-def one_pass_delta_rule(q, k, v, g, beta, state):
-    """``recurrent_delta_rule`` reading each row's state once: with ``e = exp(g)``,
-    ``k^T (e S) = e (k^T S)`` and ``q^T S' = e (q^T S) + (q . k) u``, so both contractions are
-    one [2, dk] x [dk, dv] product of the old state per head, and ``S' = e S + k u^T`` is one
-    elementwise pass. Still a scan: every row runs the same compiled body. Shapes as the
-    library's."""
+def _dot(qk, s):
+    import jax
     import jax.numpy as jnp
 
-    from mtpjax.hybrid._delta import _HI
+    return jnp.einsum("bhnk,bhkv->bhnv", qk, s, precision=jax.lax.Precision.HIGHEST)
 
-    def body(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
-        e = jnp.exp(g_t)[..., None]  # [B, Hv, 1]
-        r = jnp.einsum("bhnk,bhkv->bhnv", jnp.stack([k_t, q_t], axis=-2), s, precision=_HI)
-        u = (v_t - e * r[..., 0, :]) * b_t[..., None]
-        o = e * r[..., 1, :] + jnp.sum(q_t * k_t, axis=-1, keepdims=True) * u
-        s = s * e[..., None] + k_t[..., :, None] * u[..., None, :]
-        return s, (o, s)
 
-    return _scan_rows(body, q, k, v, g, beta, state)
+def _products_and_sum(qk, s):
+    """The contraction as elementwise products and a sum over dk: no dot, so the compiler may
+    fuse it with its neighbours and needs no autotuning."""
+    import jax.numpy as jnp
+
+    return jnp.sum(qk[..., :, None] * s[:, :, None], axis=-2)
+
+
+def one_pass_delta_rule(q, k, v, g, beta, state):
+    """``_one_read_rule`` with the contraction as one F32 dot."""
+    return _one_read_rule(_dot, q, k, v, g, beta, state)
 
 
 def reduce_delta_rule(q, k, v, g, beta, state):
-    """``one_pass_delta_rule`` with the contraction as elementwise products and a sum over dk:
-    no dot, so the compiler may fuse it with its neighbours and needs no autotuning."""
-    import jax.numpy as jnp
-
-    def body(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
-        e = jnp.exp(g_t)[..., None]
-        qk = jnp.stack([k_t, q_t], axis=-2)  # [B, Hv, 2, dk]
-        r = jnp.sum(qk[..., :, None] * s[:, :, None], axis=-2)  # [B, Hv, 2, dv]
-        u = (v_t - e * r[..., 0, :]) * b_t[..., None]
-        o = e * r[..., 1, :] + jnp.sum(q_t * k_t, axis=-1, keepdims=True) * u
-        s = s * e[..., None] + k_t[..., :, None] * u[..., None, :]
-        return s, (o, s)
-
-    return _scan_rows(body, q, k, v, g, beta, state)
+    """``_one_read_rule`` with the contraction as products and a sum."""
+    return _one_read_rule(_products_and_sum, q, k, v, g, beta, state)
 
 
 def unrolled_delta_rule(q, k, v, g, beta, state):
@@ -356,8 +355,8 @@ def filled_state(*, cfg, batch: int, max_len: int, max_step: int, start: int):
 
 
 def split_params(params, cfg):
-    """The ``GDN`` and ``full`` models' params out of the ``GGGF`` model's (one group): its GDN
-    slots stacked on the group axis, its full-attention slot alone."""
+    """The ``GDN`` and ``full`` models' params out of the ``mixed`` model's: its GDN slots
+    stacked on the group axis, its full-attention slot alone."""
     import jax
     import jax.numpy as jnp
 
@@ -367,7 +366,7 @@ def split_params(params, cfg):
     full = [p for p in range(cfg.period) if cfg.layer_types[p] is LayerType.FULL_ATTENTION]
     stacked = jax.tree.map(lambda *a: jnp.concatenate(a), *[params.layers[p] for p in gdn])
     return dict(
-        GGGF=params,
+        mixed=params,
         GDN=HybridParams(layers=(stacked,), final_norm=params.final_norm),
         full=HybridParams(layers=(params.layers[full[0]],), final_norm=params.final_norm),
     )
@@ -510,20 +509,21 @@ _BY_FUNCTION = (
 )
 
 
-def categorize(stack: list[tuple[str, str, int]]) -> str:
+def categorize(stack: list[tuple[str, str, int]]) -> tuple[str, tuple[str, str, int] | None]:
     """The part of a hybrid step a kernel belongs to, from its stack (innermost first; function
-    names as the HLO gives them, ``outer.<locals>.inner``)."""
-    for file, qualname, line in stack:
+    names as the HLO gives them, ``outer.<locals>.inner``), and the frame that says so."""
+    for frame in stack:
+        file, qualname, line = frame
         base, fn = os.path.basename(file), qualname.rpartition(".")[2]
         if base == "_delta.py" and fn not in ("causal_conv", "l2_normalize"):
-            return "delta rule (row body)" if fn == "body" else "delta rule (scan in/out)"
+            return ("delta rule (row body)" if fn == "body" else "delta rule (scan in/out)"), frame
         if base == "_model.py" and ".at[" in linecache.getline(file, line):
             text = linecache.getline(file, line)
-            return "kv writes" if "st.k" in text or "st.v" in text else "gdn state writes"
+            return ("kv writes" if "st.k" in text or "st.v" in text else "gdn state writes"), frame
         for category, names in _BY_FUNCTION:
             if fn in names:
-                return category
-    return "other"
+                return category, frame
+    return "other", None
 
 
 def profile_step(compiled, params, head, state, tokens, where, *, calls: int, top: int):
@@ -548,8 +548,14 @@ def profile_step(compiled, params, head, state, tokens, where, *, calls: int, to
                 jax.block_until_ready(call())
         wall = (time.perf_counter() - t0) / calls * 1e6
         events = device_events(Path(d))
-    if not harness.on_gpu():  # the CPU trace holds the host's Python too: its thunks only
-        events = [e for e in events if (e.get("args") or {}).get("hlo_op")]
+    if not harness.on_gpu():
+        # The CPU trace holds the host's Python too, and a loop's thunk spans its body's: the
+        # thunks of HLO ops other than loops only.
+        events = [
+            e
+            for e in events
+            if (e.get("args") or {}).get("hlo_op", "while").partition(".")[0] != "while"
+        ]
     rows, busy = breakdown(events, calls)
     # A kernel's HLO op: the event's own annotation when the trace has it, else its name.
     op_of = {}
@@ -563,7 +569,7 @@ def profile_step(compiled, params, head, state, tokens, where, *, calls: int, to
         op = op_of.get(r["kernel"], r["kernel"])
         stack = sources.get(op) or sources.get(op.replace(".", "_").replace("-", "_"))
         if stack:
-            r["category"] = categorize(stack)
+            r["category"], frame = categorize(stack)
         elif _MATMUL_KERNEL.search(r["kernel"]):
             r["category"] = "matmuls (no HLO op)"
         else:
@@ -571,10 +577,7 @@ def profile_step(compiled, params, head, state, tokens, where, *, calls: int, to
         cats[r["category"]] += r["us_per_call"]
         if stack:
             mapped += r["us_per_call"]
-            model_code = ("/mtpjax/hybrid/", "/mtpjax/layers/")
-            file, fn, line = next(
-                (f for f in stack if any(m in f[0] for m in model_code)), stack[0]
-            )
+            file, fn, line = frame or stack[0]
             r["source"] = f"{os.path.basename(file)}:{line} {fn}"
             lines[r["source"]] += r["us_per_call"]
     fields = dict(
@@ -595,12 +598,14 @@ def profile_step(compiled, params, head, state, tokens, where, *, calls: int, to
 # ---------------------------------------------------------------------------------------------
 
 
-def _setup(child) -> None:
+def _configure_child(args: argparse.Namespace) -> None:
+    """Before the child's first compile: the persistent cache (JAX decides once whether it is
+    used) and the donation warning."""
     import jax
 
-    if child.options.compile_cache:
-        Path(child.options.compile_cache).mkdir(parents=True, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", str(child.options.compile_cache))
+    if args.compile_cache:
+        Path(args.compile_cache).mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(args.compile_cache))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     # The state's base (int32[B]) is donated and replaced by ``start``: nothing to alias.
     warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
@@ -654,7 +659,6 @@ def section_27b(child) -> None:
     from benchmarks import propose as bp
     from mtpjax import hybrid
 
-    _setup(child)
     o = child.options
     bw = harness.copy_bandwidth(smoke=child.smoke)
     child.emit(dict(kernel="device_copy", **bw))
@@ -663,7 +667,7 @@ def section_27b(child) -> None:
     max_len = ctx + W
     patterns = SMOKE_MODELS_27B if child.smoke else MODELS_27B
     cfgs = {name: config_27b(pat, smoke=child.smoke) for name, pat in patterns.items()}
-    mixed = cfgs["GGGF"]
+    mixed = cfgs["mixed"]
     key = jax.random.key(0, impl=bp.prng_impl(child.smoke))
     init = jax.jit(lambda kk: hybrid.init(mixed, key=kk))
     abs_params, abs_head = jax.eval_shape(init, key)
@@ -678,7 +682,7 @@ def section_27b(child) -> None:
     dshape = dict(batch=B, hv=hv, dk=dk, dv=dv)
     # (model, GDN snapshots kept, rows): the headline first, compiled and timed on its own so a
     # tight budget keeps it; then the single-kind models and the delta rule alone.
-    headline = [("GGGF", W, 1), ("GGGF", W, W), ("GGGF", 1, 1)]
+    headline = [("mixed", W, 1), ("mixed", W, W), ("mixed", 1, 1)]
     rows = (W,) if child.smoke else (1, W)
     per_kind = [(m, W, s) for m in ("GDN", "full") for s in rows]
     variants = VARIANTS[:2] if child.smoke else VARIANTS
@@ -704,7 +708,7 @@ def section_27b(child) -> None:
         return jobs
 
     jobs = {("init",): _job(("init",), init, key), **step_jobs(headline)}
-    _compile(child, jobs, "27b GGGF")
+    _compile(child, jobs, "27b mixed")
     if not _ready(child, jobs[("init",)], "27b init", margin=5):
         return
     params, head = jobs[("init",)].compiled(key)
@@ -819,7 +823,6 @@ def section_08b(child) -> None:
     from mtpjax import hybrid
     from mtpjax.head import lm_head
 
-    _setup(child)
     o = child.options
     bw = harness.copy_bandwidth(smoke=child.smoke)
     child.emit(dict(kernel="device_copy", **bw))
@@ -949,7 +952,7 @@ def table(records: list[dict]) -> str:
         out.append(
             f"\nQwen3.5-27B-like step, B={r0['batch']}, context {r0['context']}: W = GDN "
             "snapshots kept; per layer = step / layers; '64-layer' = per layer x the layers of "
-            "that kind in the 64-layer model (16 x GGGF, 48 GDN, 16 full); roof = bytes / copy "
+            "that kind in the 64-layer model (64 mixed, 48 GDN, 16 full); roof = bytes / copy "
             "bandwidth"
         )
         out.append(
@@ -965,7 +968,7 @@ def table(records: list[dict]) -> str:
                 f"{_f(r['roofline_us'] / r['layers'], '.1f', 11)}"
                 f"{_f(r['frac_of_copy'], '.2f', 8)}"
             )
-        target = [r for r in rows if r["model"] == "GGGF" and r.get("vs_plain_decode")]
+        target = [r for r in rows if r["model"] == "mixed" and r.get("vs_plain_decode")]
         for r in target:
             verdict = "meets" if r["vs_plain_decode"] <= 1.3 else "MISSES"
             out.append(
@@ -1078,10 +1081,11 @@ def plot(records: list[dict], path: str | Path) -> None:
     plt.close(fig)
 
 
-def _ints(s: str) -> list[int]:
+def _positive_ints(s: str) -> list[int]:
+    """``"512,2048"`` -> [512, 2048]."""
     out = [int(x) for x in s.split(",") if x.strip()]
     if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
+        raise ValueError(s)
     return out
 
 
@@ -1097,15 +1101,15 @@ def main(argv=None) -> int:
     add("--drafts", type=int, default=3, help="k: the verify step takes k + 1 rows (3)")
     add("--context", type=int, default=None, help="27b: KV rows before the step (4096)")
     add("--small-context", type=int, default=None, help="0.8b: start of the steps (2048)")
-    add("--prompts", type=_ints, default=None, help="0.8b prefill lengths (512,2048)")
-    add("--batches", type=_ints, default=None, help="0.8b batches (1,8)")
+    add("--prompts", type=_positive_ints, default=None, help="0.8b prefill lengths (512,2048)")
+    add("--batches", type=_positive_ints, default=None, help="0.8b batches (1,8)")
     add("--profile", default=None,
         help="27b steps to profile, model/rows of GDN or full (GDN/1,GDN/4,full/4); '' for none")  # fmt: skip
     add("--top", type=int, default=30, help="kernels kept per profile")
     add("--compile-cache", type=Path, default=None,
         help="JAX persistent compilation cache: a second run skips the compiles")  # fmt: skip
     add("--compile-workers", type=int, default=None, help="default 8 on GPU, 1 on CPU")
-    add("--budget-s", type=float, default=220.0, help="wall-clock budget of all sections")
+    add("--budget-s", type=float, default=200.0, help="wall-clock budget of all sections")
     add("--smoke", action="store_true", help="tiny shapes on the CPU")
     harness.add_child_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1114,10 +1118,11 @@ def main(argv=None) -> int:
     for name in ("context", "small_context", "prompts", "batches", "profile"):
         if getattr(args, name) is None:
             value = defaults[name]
-            setattr(args, name, _ints(value) if name in ("prompts", "batches") else value)
+            setattr(args, name, _positive_ints(value) if name in ("prompts", "batches") else value)
     if args.drafts < 1:
         ap.error("--drafts must be at least 1")
     if args.child:
+        _configure_child(args)
         return harness.child_main(args, {"27b": section_27b, "0.8b": section_08b})
     plot_path = args.plot or (args.from_json or args.json).with_suffix(".png")
     if args.from_json:
