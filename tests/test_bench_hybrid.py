@@ -45,6 +45,12 @@ def test_smoke_run(tmp_path, capsys):
     assert steps[("GDN", W, W)]["bytes"]["kv_read"] == 0
     assert steps[("full", W, W)]["bytes"]["gdn_state_written"] == 0
     assert steps[("0.8b", W, W)]["lm_head_us"] > 0
+    heads = {r["rows"]: r["time_us"] for r in records if r["kernel"] == "lm_head"}
+    assert set(heads) == {1, W}
+    plain = steps[("mixed", 1, 1)]["in_64_layers_us"] + heads[1]
+    assert verify["in_64_layers_vs_plain_decode_with_lm_head"] == pytest.approx(
+        (verify["in_64_layers_us"] + heads[W]) / plain
+    )
 
     delta = {(r["variant"], r["rows"]): r for r in records if r["kernel"] == "delta_rule"}
     assert set(delta) == {(v, s) for v in ("library", "one_pass") for s in (1, W)}
