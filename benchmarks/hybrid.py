@@ -390,6 +390,18 @@ def prefill_fn(cfg):
     )
 
 
+def compiler_memory(compiled, state_bytes: int) -> dict:
+    """The compiler's memory account of a step: ``memory`` (argument, output, alias, temp bytes)
+    and ``temp_over_state``: temporaries as a multiple of the donated state. A step that updates
+    its state in place needs temporaries far smaller than the state; a multiple of it means the
+    state is rebuilt in a new buffer (and copied) every step."""
+    from benchmarks.propose import memory_analysis
+
+    mem = memory_analysis(compiled)
+    ratio = None if mem is None or not state_bytes else mem["temp_size_in_bytes"] / state_bytes
+    return dict(memory=mem, temp_over_state=ratio)
+
+
 def time_head(compiled, head, batch: int, rows: int, hidden_size: int, *, smoke: bool):
     """Steady-state µs of the LM head ``compiled(head, hidden [B, S, H])``."""
     import jax.numpy as jnp
@@ -751,7 +763,7 @@ def section_27b(child) -> None:
                 state_bytes=tree_bytes(states[(name, w)]),
                 custom_calls=bp.scan_hlo(job.compiled.as_text())["custom_calls"],
             )  # fmt: skip
-            child.emit(rec)
+            child.emit(dict(rec, **compiler_memory(job.compiled, rec["state_bytes"])))
 
     time_steps(headline)
     if child.left() < 30:
@@ -919,6 +931,7 @@ def section_08b(child) -> None:
                 compile_s=job.compile_s, bytes=nbytes, roofline_us=roof,
                 frac_of_copy=roof / times["time_us"], state_bytes=tree_bytes(state), **base,
             )  # fmt: skip
+            rec.update(compiler_memory(job.compiled, rec["state_bytes"]))
             if hjob.compiled is not None:
                 rec["lm_head_us"] = time_head(
                     hjob.compiled, head, b, s, cfg.hidden_size, smoke=child.smoke
@@ -980,11 +993,13 @@ def table(records: list[dict]) -> str:
             f"\nQwen3.5-27B-like step, B={r0['batch']}, context {r0['context']}: W = GDN "
             "snapshots kept; per layer = step / layers; '64-layer' = per layer x the layers of "
             "that kind in the 64-layer model (64 mixed, 48 GDN, 16 full); roof = bytes / copy "
-            "bandwidth"
+            "bandwidth; temp/state = the compiler's temporaries over the donated state (in "
+            "place: near 0)"
         )
         out.append(
             f"{'model':6}{'W':>3}{'rows':>5}{'step us':>10}{'/layer':>9}{'64-layer us':>12}"
             f"{'vs dec':>8}{'vs plain':>9}{'MB/layer':>10}{'roof/layer':>11}{'of copy':>8}"
+            f"{'temp/state':>11}"
         )
         for r in rows:
             out.append(
@@ -993,7 +1008,7 @@ def table(records: list[dict]) -> str:
                 f"{_f(r.get('vs_decode'), '.3f', 8)}{_f(r.get('vs_plain_decode'), '.3f', 9)}"
                 f"{_f(r['bytes_per_layer'] / 1e6, '.1f', 10)}"
                 f"{_f(r['roofline_us'] / r['layers'], '.1f', 11)}"
-                f"{_f(r['frac_of_copy'], '.2f', 8)}"
+                f"{_f(r['frac_of_copy'], '.2f', 8)}{_f(r.get('temp_over_state'), '.2f', 11)}"
             )
         target = [r for r in rows if r["model"] == "mixed" and r.get("vs_plain_decode")]
         for r in target:
@@ -1048,7 +1063,7 @@ def table(records: list[dict]) -> str:
         )
         out.append(
             f"{'B':>3}{'rows':>5}{'step us':>10}{'+ head us':>11}{'vs dec':>8}{'vs dec+h':>9}"
-            f"{'roof us':>9}{'of copy':>8}"
+            f"{'roof us':>9}{'of copy':>8}{'temp/state':>11}"
         )
         for r in steps:
             out.append(
@@ -1056,6 +1071,7 @@ def table(records: list[dict]) -> str:
                 f"{_f(r.get('with_lm_head_us'), '.0f', 11)}{_f(r.get('vs_decode'), '.3f', 8)}"
                 f"{_f(r.get('vs_decode_with_lm_head'), '.3f', 9)}"
                 f"{_f(r['roofline_us'], '.0f', 9)}{_f(r['frac_of_copy'], '.2f', 8)}"
+                f"{_f(r.get('temp_over_state'), '.2f', 11)}"
             )
     for r in records:
         kern = r.get("kernel")

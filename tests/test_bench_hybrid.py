@@ -35,6 +35,8 @@ def test_smoke_run(tmp_path, capsys):
         assert r["time_us"] > 0 and r["time_us_synced"] > 0 and r["roofline_us"] > 0
         assert r["bytes"]["total"] == sum(v for p, v in r["bytes"].items() if p != "total")
         assert 0 < r["frac_of_copy"] == pytest.approx(r["roofline_us"] / r["time_us"])
+        # The donated state is the output's buffer (its base, int32[B], may be left out).
+        assert r["memory"]["alias_size_in_bytes"] >= r["state_bytes"] - 4 * r["batch"]
     verify = steps[("mixed", W, W)]
     assert verify["vs_decode"] == pytest.approx(
         verify["time_us"] / steps[("mixed", W, 1)]["time_us"]
