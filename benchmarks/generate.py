@@ -152,6 +152,28 @@ def target_config(*, layers: int, smoke: bool) -> reference.TargetConfig:
     )  # fmt: skip
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def init_target(cfg: reference.TargetConfig, key: jax.Array) -> reference.TargetParams:
+    """``reference.init`` one layer at a time (``lax.map``): the same statistics (residual
+    outputs scaled by 1/sqrt(2L)), with one layer's temporaries instead of the whole stack's
+    (the random normals are F32 before the BF16 cast)."""
+    one = dataclasses.replace(cfg, num_hidden_layers=1)
+    scale = 1.0 / math.sqrt(cfg.num_hidden_layers)  # one layer's init scales by 1/sqrt(2)
+
+    def layer(k):
+        lp = reference.init(one, key=k).layers
+        scaled = lambda w: dataclasses.replace(w, w=(w.w * scale).astype(w.w.dtype))  # noqa: E731
+        attention = dataclasses.replace(lp.attention, o_proj=scaled(lp.attention.o_proj))
+        ffn = dataclasses.replace(lp.ffn, down_proj=scaled(lp.ffn.down_proj))
+        lp = dataclasses.replace(lp, attention=attention, ffn=ffn)
+        return jax.tree.map(lambda x: x[0], lp)
+
+    layers = jax.lax.map(layer, jax.random.split(key, cfg.num_hidden_layers))
+    return reference.TargetParams(
+        layers=layers, final_norm=jnp.zeros((cfg.hidden_size,), jnp.bfloat16)
+    )
+
+
 @dataclasses.dataclass
 class Setup:
     """Random weights: one target layer stack and drafter, an LM head per precision."""
@@ -174,7 +196,7 @@ def build_setup(*, layers: int, heads, smoke: bool, seed: int = 0) -> Setup:
     key = jax.random.key(seed)
     tcfg = target_config(layers=layers, smoke=smoke)
     dcfg = bp.head_config("dense", smoke=smoke)
-    params = reference.init(tcfg, key=jax.random.fold_in(key, 1))
+    params = init_target(tcfg, jax.random.fold_in(key, 1))
     drafter = drafter_lib.init(dcfg, key=jax.random.fold_in(key, 2), precision="bf16")
     hk = jax.random.fold_in(key, 3)  # the same embedding values whatever the head's format
     lm = {p: init_lm_head(tcfg.lm_head_config(), key=hk, precision=p) for p in heads}
@@ -859,27 +881,41 @@ def text_prompts(tcfg, batch: int, length: int, seed: int) -> tuple[jax.Array, j
     return (*random_prompts(batch, length, tcfg.vocab_size, seed), "random")
 
 
-def check_exact(target, drafter, head, tcfg, dcfg, prompts, lengths, *, ks, max_new_tokens):
-    """Greedy ``generate`` at each K against ``generate_baseline`` at width 1 and at width K+1.
+def check_exact(
+    target, drafter, head, tcfg, dcfg, prompts, lengths, *, ks, max_new_tokens, workers=1
+) -> list[dict]:
+    """Greedy ``generate`` at each K against ``generate_baseline`` at width 1 and at width K+1
+    (every program compiled first, ``workers`` at once).
 
     Returns one record per K: ``match_width1``, ``match_same_width``, the first differing token
-    per sequence (-1: none) against width 1, and the target's top-2 logit gap at each of those
-    positions, from a full forward over the prompt and the width-1 output (small gaps: the step
-    shapes round one logit pair differently, not a wrong token).
+    per sequence (-1: none) against width 1, and the target's top-2 logit gap where each of
+    those tokens is predicted, from a full forward over the prompt and the width-1 output (a
+    small gap: the step shapes round a near tie differently, not a wrong token).
     """
-    N, head_cfg = max_new_tokens, tcfg.lm_head_config()
+    N, hc = max_new_tokens, tcfg.lm_head_config()
+    base_args, spec_args = (
+        (target, head, prompts, lengths),
+        (target, drafter, head, prompts, lengths),
+    )
+    jobs = {("baseline", 1): bp.Job(key=1, fn=baseline_fn(hc, N, "auto", 1), args=base_args)}
+    for k in ks:
+        jobs["generate", k] = bp.Job(key=k, fn=generate_fn(dcfg, hc, N, k, "auto"), args=spec_args)
+        jobs["baseline", k + 1] = bp.Job(
+            key=k + 1, fn=baseline_fn(hc, N, "auto", k + 1), args=base_args
+        )
+    bp.compile_jobs(list(jobs.values()), workers=workers, options=None, desc="exact")
 
-    def baseline(width):
-        run = baseline_fn(head_cfg, N, "auto", width)
-        return jax.device_get(run(target, head, prompts, lengths))
+    def run(key):
+        job = jobs[key]
+        if job.compiled is None:
+            raise RuntimeError(f"{key}: {job.error}")
+        return jax.device_get(job.compiled(*job.args))
 
-    width1 = baseline(1)
-    margins_cache: dict[int, float] = {}
+    width1 = run(("baseline", 1))
+    gaps: dict[tuple[int, int], float] = {}  # (sequence, token) -> top-2 gap
     records = []
     for k in ks:
-        run = generate_fn(dcfg, head_cfg, N, k, "auto")
-        spec = jax.device_get(run(target, drafter, head, prompts, lengths))
-        same = baseline(k + 1)
+        spec, same = run(("generate", k)), run(("baseline", k + 1))
         first = first_difference(spec.tokens, width1.tokens)
         rec = dict(
             kind="exact", k=k, batch=int(prompts.shape[0]), new_tokens=N,
@@ -890,17 +926,14 @@ def check_exact(target, drafter, head, tcfg, dcfg, prompts, lengths, *, ks, max_
             first_difference_same_width=first_difference(spec.tokens, same.tokens).tolist(),
             mal=float(spec.metrics.mean_acceptance_length()), rounds=int(spec.target_steps),
         )  # fmt: skip
-        missing = [int(b) for b in np.flatnonzero(first >= 0) if int(b) not in margins_cache]
-        if missing:
-            margins_cache.update(
-                zip(
-                    missing,
-                    top2_gaps(target, head, tcfg, prompts, width1.tokens, first, missing),
-                    strict=True,
-                )
+        new = [(int(b), int(first[b])) for b in np.flatnonzero(first >= 0)]
+        new = [bt for bt in new if bt not in gaps]
+        if new:
+            gaps.update(
+                zip(new, top2_gaps(target, head, tcfg, prompts, width1.tokens, new), strict=True)
             )
         rec["margin_at_first_difference"] = [
-            margins_cache.get(int(b)) if first[b] >= 0 else None for b in range(len(first))
+            gaps.get((b, int(f))) if f >= 0 else None for b, f in enumerate(first)
         ]
         records.append(rec)
     return records
@@ -912,15 +945,16 @@ def first_difference(a, b) -> np.ndarray:
     return np.where(diff.any(axis=1), diff.argmax(axis=1), -1)
 
 
-def top2_gaps(target, head, tcfg, prompts, tokens, first, rows) -> list[float]:
-    """The target's top-1 minus top-2 logit where sequence b's token ``first[b]`` is predicted,
-    for b in ``rows``, from one full forward (full-length prompts)."""
+def top2_gaps(target, head, tcfg, prompts, tokens, where) -> list[float]:
+    """The target's top-1 minus top-2 logit where token ``t`` of sequence ``b`` is predicted,
+    for each ``(b, t)`` in ``where``, from one full forward over the (full-length) prompts and
+    ``tokens`` [B, N]."""
     layers = target.params[0]
     T = prompts.shape[1]
-    seq = jnp.concatenate([prompts, jnp.asarray(tokens)[:, :-1]], axis=1)
-    hidden = reference.target_forward(layers, head, seq[jnp.asarray(rows)], cfg=tcfg)
-    at = jnp.asarray([T - 1 + int(first[b]) for b in rows])
-    h = hidden[jnp.arange(len(rows)), at]
+    rows = jnp.asarray([b for b, _ in where])
+    seq = jnp.concatenate([prompts, jnp.asarray(tokens)[:, :-1]], axis=1)[rows]
+    hidden = reference.target_forward(layers, head, seq, cfg=tcfg)
+    h = hidden[jnp.arange(len(where)), jnp.asarray([T - 1 + t for _, t in where])]
     logits = lm_head(head, h, cfg=tcfg.lm_head_config()).astype(jnp.float32)
     top = jax.lax.top_k(logits, 2)[0]
     return [float(x) for x in np.asarray(top[:, 0] - top[:, 1])]

@@ -167,6 +167,27 @@ def test_exact_check_at_tiny_shapes():
         rec["first_difference_width1"], rec["margin_at_first_difference"], strict=True
     ):
         assert (margin is None) == (first < 0) and (margin is None or margin >= 0)
+    # The gap where a token is predicted: teacher-forced over any continuation.
+    tokens = np.asarray(bg.random_prompts(B, N, setup.head_cfg.vocab_size, 4)[0])
+    gaps = bg.top2_gaps(target, head, setup.tcfg, prompts, tokens, [(0, 0), (2, 5)])
+    assert len(gaps) == 2 and all(np.isfinite(g) and g >= 0 for g in gaps)
+
+
+def test_init_target_has_reference_init_s_layout_and_scales():
+    from mtpjax import reference
+
+    cfg = bg.target_config(layers=2, smoke=True)  # the smoke run's program
+    ours = bg.init_target(cfg, jax.random.key(0))
+    ref = jax.eval_shape(lambda: reference.init(cfg, key=jax.random.key(0)))
+    assert jax.tree.structure(ours) == jax.tree.structure(ref)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    std = lambda w: float(jnp.std(w.w.astype(jnp.float32)))  # noqa: E731
+    att, ffn = ours.layers.attention, ours.layers.ffn
+    assert std(att.q_proj) == pytest.approx(0.02, rel=0.05)
+    for w in (att.o_proj, ffn.down_proj):  # residual outputs: 0.02 / sqrt(2L)
+        assert std(w) == pytest.approx(0.02 / np.sqrt(4), rel=0.05)
+    assert not np.array_equal(att.q_proj.w[0], att.q_proj.w[1])  # a key per layer
 
 
 def test_first_difference():
@@ -204,6 +225,19 @@ def test_command_buffer_options_only_on_gpu():
     assert {"WHILE", "CONDITIONAL", "FUSION", "CUSTOM_CALL"} <= set(commands)
     with pytest.raises(ValueError, match="command-buffer variant 'graphs'"):
         bg.compiler_options("graphs", gpu=True)
+
+
+def test_command_buffer_options_parse_in_this_jaxlib():
+    """The options are DebugOptions fields (shared by every backend: XLA:CPU parses and ignores
+    the GPU ones), so a bad name or value fails here, not on the GPU."""
+    lowered = jax.jit(lambda x: jnp.sin(x) * 2).lower(jnp.ones(4))
+    for variant in bg.COMMAND_BUFFERS:
+        options = bg.compiler_options(variant, gpu=True, profiling=True)
+        np.testing.assert_allclose(
+            lowered.compile(compiler_options=options)(jnp.ones(4)), 2 * np.sin(1)
+        )
+    with pytest.raises(Exception, match="not a valid enum value"):
+        lowered.compile(compiler_options={"xla_gpu_enable_command_buffer": "+WHILE"})
 
 
 class _Lowered:
