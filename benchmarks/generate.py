@@ -2,8 +2,11 @@
 dense target on the GPU; acceptance forced to given rates; exactness; XLA command buffers.
 
     python -m benchmarks.generate --json $OUT/generate_h200.json
-    python -m benchmarks.generate --sections cmdbuf,profile --json $OUT/generate_cmdbuf_h200.json
+    python -m benchmarks.generate --sections cmdbuf --json $OUT/generate_cmdbuf_h200.json
+    python -m benchmarks.generate --sections profile --json $OUT/generate_profile_h200.json
     python -m benchmarks.generate --check-exact --json $OUT/generate_exact_h200.json
+
+Each run starts no new block past ``--budget-s`` (450 s) and records what it skipped.
 
 The target is the reference full-attention target (``mtpjax.reference_target``) with random
 weights at the dense 27B shapes: hidden 5120, 24 query and 4 KV heads of 256 (gated), partial
