@@ -895,17 +895,8 @@ def check_exact(
     those tokens is predicted, from a full forward over the prompt and the width-1 output (a
     small gap: the step shapes round a near tie differently, not a wrong token).
     """
-    N, hc = max_new_tokens, tcfg.lm_head_config()
-    base_args, spec_args = (
-        (target, head, prompts, lengths),
-        (target, drafter, head, prompts, lengths),
-    )
-    jobs = {("baseline", 1): bp.Job(key=1, fn=baseline_fn(hc, N, "auto", 1), args=base_args)}
-    for k in ks:
-        jobs["generate", k] = bp.Job(key=k, fn=generate_fn(dcfg, hc, N, k, "auto"), args=spec_args)
-        jobs["baseline", k + 1] = bp.Job(
-            key=k + 1, fn=baseline_fn(hc, N, "auto", k + 1), args=base_args
-        )
+    N = max_new_tokens
+    jobs = exact_jobs(target, drafter, head, tcfg, dcfg, prompts, lengths, ks=ks, n=N)
     bp.compile_jobs(list(jobs.values()), workers=workers, options=None, desc="exact")
 
     def run(key):
@@ -940,6 +931,26 @@ def check_exact(
         ]
         records.append(rec)
     return records
+
+
+def exact_jobs(target, drafter, head, tcfg, dcfg, prompts, lengths, *, ks, n) -> dict:
+    """The exactness programs by name: ``("baseline", width)`` for widths 1 and K+1,
+    ``("generate", K)``."""
+    hc = tcfg.lm_head_config()
+    base, spec = (target, head, prompts, lengths), (target, drafter, head, prompts, lengths)
+    names = [("baseline", 1)] + [
+        (s, w) for k in ks for s, w in (("generate", k), ("baseline", k + 1))
+    ]
+    return {
+        (s, w): bp.Job(
+            key=(s, w),
+            fn=generate_fn(dcfg, hc, n, w, "auto")
+            if s == "generate"
+            else baseline_fn(hc, n, "auto", w),
+            args=spec if s == "generate" else base,
+        )
+        for s, w in names
+    }
 
 
 def first_difference(a, b) -> np.ndarray:

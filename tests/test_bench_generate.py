@@ -190,6 +190,18 @@ def test_init_target_has_reference_init_s_layout_and_scales():
     assert not np.array_equal(att.q_proj.w[0], att.q_proj.w[1])  # a key per layer
 
 
+def test_exact_jobs_have_one_program_each():
+    """Every K's generate and width K+1 baseline, and the width-1 baseline, under keys of their
+    own (``compile_jobs`` keys its lowerings by them)."""
+    jobs = bg.exact_jobs(None, None, None, bg.target_config(layers=2, smoke=True), None, None,
+                         None, ks=[1, 2, 3, 4], n=N)  # fmt: skip
+    assert len({job.key for job in jobs.values()}) == len(jobs) == 9
+    assert set(jobs) == {("baseline", w) for w in range(1, 6)} | {
+        ("generate", k) for k in range(1, 5)
+    }
+    assert all(job.key == name for name, job in jobs.items())
+
+
 def test_first_difference():
     a = np.array([[1, 2, 3], [1, 2, 3], [4, 5, 6]])
     b = np.array([[1, 2, 3], [1, 9, 3], [0, 5, 7]])
