@@ -73,6 +73,21 @@ def breakdown(events: list[dict], calls: int) -> tuple[list[dict], float]:
     return rows, busy
 
 
+def trace_calls(call, calls: int, *, warmup: int = 3) -> tuple[float, list[dict], float]:
+    """``calls`` synchronised calls of ``call()`` under ``jax.profiler.trace`` (after
+    ``warmup``): (wall µs per call, :func:`breakdown` rows, device-busy µs per call)."""
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(calls):
+                jax.block_until_ready(call())
+        wall = (time.perf_counter() - t0) / calls * 1e6
+        rows, busy = breakdown(device_events(Path(d)), calls)
+    return wall, rows, busy
+
+
 def build(head: str, prec: str, k: int, b: int, context: int, smoke: bool = False):
     """The jitted propose and verify and their arguments, as ``benchmarks.propose`` builds them."""
     cfg = bp.head_config(head, smoke=smoke)
@@ -103,15 +118,7 @@ def profile_point(point, *, context: int, calls: int, top: int, smoke: bool = Fa
             out, holder[0] = verify(lm, holder[0], hidden, out)
         return out, holder[0]
 
-    for _ in range(3):
-        jax.block_until_ready(call())
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(calls):
-                jax.block_until_ready(call())
-        wall = (time.perf_counter() - t0) / calls * 1e6
-        rows, busy = breakdown(device_events(Path(d)), calls)
+    wall, rows, busy = trace_calls(call, calls)
     name = f"{head}/{prec}/K={k}/B={b}/{what}"
     print(f"\n{name}: {wall:.0f} µs per call under the profiler, GPU busy {busy:.0f} µs")
     print(f"{'µs/call':>9} {'share':>6} {'n/call':>6}  kernel")

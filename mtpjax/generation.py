@@ -363,6 +363,145 @@ def _kv_precision(params: DrafterParams) -> str:
 # The loop.
 
 
+def _start(
+    target: TargetModel,
+    drafter: DrafterParams | None,
+    head: LMHeadParams,
+    drafter_head: LMHeadParams | None,
+    prompts: jax.Array,
+    lengths: jax.Array,
+    temperature: jax.Array,
+    key: jax.Array | None,
+    *,
+    drafter_cfg: DrafterConfig | None,
+    head_cfg: LMHeadConfig,
+    max_new_tokens: int,
+    step_width: int,
+    eos_id: int | None,
+    implementation: str,
+) -> _Loop:
+    """The carry before the first round: the target's prefill and the first token; with a
+    drafter also the drafter's rows of the prompt, the first window (the anchor alone) and empty
+    metrics over ``K = step_width - 1`` positions."""
+    prompts, lengths = _prompt_rows(prompts, lengths, head_cfg.vocab_size)
+    B, T = prompts.shape
+    N, W = max_new_tokens, step_width
+    key, first_key = _split(key)
+    max_len = cache_length(T, N, W)
+    cache = target.init_cache(B, max_len)
+    hidden, cache = target.prefill(target.params, cache, prompts, lengths)
+    chex.assert_rank(hidden, 3)
+    h_last = _take_rows(hidden, lengths - 1)  # [B, H]
+    logits = lm_head(head, h_last, cfg=head_cfg, implementation=implementation)
+    first = _pick(logits, temperature, first_key)
+    loop = _Loop(
+        cache=cache,
+        position=lengths,
+        last=first,
+        out=_start_output(first, N, eos_id),
+        key=key,
+        steps=jnp.zeros((), jnp.int32),
+        active_steps=jnp.zeros((B,), jnp.int32),
+    )
+    if drafter is None:  # plain decoding
+        return loop
+
+    # The drafter's rows of the prompt: pairs (t_{i+1}, h_i) for i = 0 .. P-2.
+    pool = drafter_lib.pool_config(
+        drafter_cfg, precision=_kv_precision(drafter), max_seq_len=max_len, max_seqs=B
+    )
+    state = drafter_lib.init_state(pool, num_seqs=B)
+    dkw = dict(cfg=drafter_cfg, implementation=implementation)
+    if T > 1:
+        prompt_pairs = Pairs(
+            tokens=prompts[:, 1:],
+            hidden=hidden[:, :-1],
+            count=lengths - 1,
+            start=jnp.zeros((B,), jnp.int32),
+        )
+        if drafter_lib.supports_prefill(drafter):
+            state = drafter_lib.prefill(drafter, drafter_head, state, prompt_pairs, **dkw)
+        else:
+            # Heads without BF16 fc/k/v catch up through propose, whose window takes any number
+            # of pairs; its single draft is discarded, and the next propose keeps the rows.
+            _, state = drafter_lib.propose(
+                drafter, drafter_head, state, prompt_pairs, num_drafts=1, **dkw
+            )
+
+    # The first window: the anchor (t_P, h_{P-1}) alone.
+    pad = ((0, 0), (0, W - 1))
+    pairs = Pairs(
+        tokens=jnp.pad(loop.last[:, None], pad),
+        hidden=jnp.pad(h_last[:, None], (*pad, (0, 0))),
+        count=jnp.ones((B,), jnp.int32),
+        start=lengths - 1,
+    )
+    return dataclasses.replace(loop, state=state, pairs=pairs, metrics=metrics_lib.empty(W - 1))
+
+
+def _spec_round(
+    c: _Loop,
+    *,
+    target: TargetModel,
+    drafter: DrafterParams,
+    head: LMHeadParams,
+    drafter_head: LMHeadParams,
+    temperature: jax.Array,
+    drafter_cfg: DrafterConfig,
+    head_cfg: LMHeadConfig,
+    eos_id: int | None,
+    hidden_contract: HiddenContract,
+    refeed: bool,
+    implementation: str,
+    verify_step: Callable[..., tuple[Any, drafter_lib.DrafterState]] = verify,
+) -> _Loop:
+    """One speculative round: propose, the target's step over the ``K + 1``-row window, then
+    ``verify_step`` (``verify``'s signature and outputs) and the commit."""
+    B, W = c.pairs.tokens.shape
+    active = ~c.out.done
+    drafts, state = drafter_lib.propose(
+        drafter,
+        drafter_head,
+        c.state,
+        dataclasses.replace(c.pairs, active=active),
+        num_drafts=W - 1,
+        hidden_contract=hidden_contract,
+        cfg=drafter_cfg,
+        implementation=implementation,
+    )
+    window = jnp.concatenate([c.last[:, None], jnp.maximum(drafts.tokens, 0)], axis=1)
+    verify_hidden, cache = target.step(target.params, c.cache, window, c.position)
+    chex.assert_shape(verify_hidden, (B, W, c.pairs.hidden.shape[-1]))
+    key, sub = _split(c.key)
+    result, state = verify_step(
+        head,
+        state,
+        verify_hidden,
+        drafts,
+        cfg=head_cfg,
+        temperature=temperature,
+        key=sub,
+        refeed=refeed,
+        metrics=c.metrics,
+        active=active,
+        implementation=implementation,
+    )
+    count = result.num_output  # 0 for finished sequences
+    new = jnp.maximum(result.output_tokens, 0)  # [B, W], -1 padding -> a valid id
+    return _Loop(
+        cache=cache,
+        state=state,
+        pairs=Pairs(tokens=new, hidden=verify_hidden, count=count, start=c.position),
+        position=c.position + count,
+        last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
+        out=_commit(c.out, new, count, eos_id),
+        metrics=result.metrics,
+        key=key,
+        steps=c.steps + 1,
+        active_steps=c.active_steps + active.astype(jnp.int32),
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -397,128 +536,62 @@ def _generate(
 ) -> GenerateOutput:
     """Both loops: speculation with ``K = step_width - 1`` drafts per round, or plain decoding
     when ``drafter`` is None."""
-    prompts, lengths = _prompt_rows(prompts, lengths, head_cfg.vocab_size)
-    B, T = prompts.shape
-    N, W = max_new_tokens, step_width
-    K = W - 1
-    key, first_key = _split(key)
-    max_len = cache_length(T, N, W)
-    cache = target.init_cache(B, max_len)
-    hidden, cache = target.prefill(target.params, cache, prompts, lengths)
-    chex.assert_rank(hidden, 3)
-    H = hidden.shape[-1]
-    h_last = _take_rows(hidden, lengths - 1)  # [B, H]
-    logits = lm_head(head, h_last, cfg=head_cfg, implementation=implementation)
-    first = _pick(logits, temperature, first_key)
-    loop = _Loop(
-        cache=cache,
-        position=lengths,
-        last=first,
-        out=_start_output(first, N, eos_id),
-        key=key,
-        steps=jnp.zeros((), jnp.int32),
-        active_steps=jnp.zeros((B,), jnp.int32),
+    loop = _start(
+        target,
+        drafter,
+        head,
+        drafter_head,
+        prompts,
+        lengths,
+        temperature,
+        key,
+        drafter_cfg=drafter_cfg,
+        head_cfg=head_cfg,
+        max_new_tokens=max_new_tokens,
+        step_width=step_width,
+        eos_id=eos_id,
+        implementation=implementation,
     )
-    if drafter is None:  # plain decoding
-        padding = jnp.zeros((B, W - 1), jnp.int32)
-
-        def plain_step(c: _Loop) -> _Loop:
-            active = ~c.out.done
-            window = jnp.concatenate([c.last[:, None], padding], axis=1)  # [B, W]
-            hidden, cache = target.step(target.params, c.cache, window, c.position)
-            logits = lm_head(head, hidden[:, 0], cfg=head_cfg, implementation=implementation)
-            key, sub = _split(c.key)
-            token = _pick(logits, temperature, sub)
-            count = active.astype(jnp.int32)
-            return dataclasses.replace(
-                c,
-                cache=cache,
-                position=c.position + count,
-                last=jnp.where(active, token, c.last),
-                out=_commit(c.out, token[:, None], count, eos_id),
-                key=key,
-                steps=c.steps + 1,
-                active_steps=c.active_steps + count,
-            )
-
-        return _run(plain_step, loop)
-
-    # The drafter's rows of the prompt: pairs (t_{i+1}, h_i) for i = 0 .. P-2.
-    pool = drafter_lib.pool_config(
-        drafter_cfg, precision=_kv_precision(drafter), max_seq_len=max_len, max_seqs=B
-    )
-    state = drafter_lib.init_state(pool, num_seqs=B)
-    dkw = dict(cfg=drafter_cfg, implementation=implementation)
-    if T > 1:
-        prompt_pairs = Pairs(
-            tokens=prompts[:, 1:],
-            hidden=hidden[:, :-1],
-            count=lengths - 1,
-            start=jnp.zeros((B,), jnp.int32),
-        )
-        if drafter_lib.supports_prefill(drafter):
-            state = drafter_lib.prefill(drafter, drafter_head, state, prompt_pairs, **dkw)
-        else:
-            # Heads without BF16 fc/k/v catch up through propose, whose window takes any number
-            # of pairs; its single draft is discarded, and the next propose keeps the rows.
-            _, state = drafter_lib.propose(
-                drafter, drafter_head, state, prompt_pairs, num_drafts=1, **dkw
-            )
-
-    # The first window: the anchor (t_P, h_{P-1}) alone.
-    pad = ((0, 0), (0, W - 1))
-    pairs = Pairs(
-        tokens=jnp.pad(loop.last[:, None], pad),
-        hidden=jnp.pad(h_last[:, None], (*pad, (0, 0))),
-        count=jnp.ones((B,), jnp.int32),
-        start=lengths - 1,
-    )
-    loop = dataclasses.replace(loop, state=state, pairs=pairs, metrics=metrics_lib.empty(K))
-
-    def round_(c: _Loop) -> _Loop:
-        active = ~c.out.done
-        drafts, state = drafter_lib.propose(
-            drafter,
-            drafter_head,
-            c.state,
-            dataclasses.replace(c.pairs, active=active),
-            num_drafts=K,
-            hidden_contract=hidden_contract,
-            **dkw,
-        )
-        window = jnp.concatenate([c.last[:, None], jnp.maximum(drafts.tokens, 0)], axis=1)
-        verify_hidden, cache = target.step(target.params, c.cache, window, c.position)
-        chex.assert_shape(verify_hidden, (B, W, H))
-        key, sub = _split(c.key)
-        result, state = verify(
-            head,
-            state,
-            verify_hidden,
-            drafts,
-            cfg=head_cfg,
+    if drafter is not None:
+        round_ = functools.partial(
+            _spec_round,
+            target=target,
+            drafter=drafter,
+            head=head,
+            drafter_head=drafter_head,
             temperature=temperature,
-            key=sub,
+            drafter_cfg=drafter_cfg,
+            head_cfg=head_cfg,
+            eos_id=eos_id,
+            hidden_contract=hidden_contract,
             refeed=refeed,
-            metrics=c.metrics,
-            active=active,
             implementation=implementation,
         )
-        count = result.num_output  # 0 for finished sequences
-        new = jnp.maximum(result.output_tokens, 0)  # [B, W], -1 padding -> a valid id
-        return _Loop(
+        return _run(round_, loop)
+
+    B, W = loop.last.shape[0], step_width
+    padding = jnp.zeros((B, W - 1), jnp.int32)
+
+    def plain_step(c: _Loop) -> _Loop:
+        active = ~c.out.done
+        window = jnp.concatenate([c.last[:, None], padding], axis=1)  # [B, W]
+        hidden, cache = target.step(target.params, c.cache, window, c.position)
+        logits = lm_head(head, hidden[:, 0], cfg=head_cfg, implementation=implementation)
+        key, sub = _split(c.key)
+        token = _pick(logits, temperature, sub)
+        count = active.astype(jnp.int32)
+        return dataclasses.replace(
+            c,
             cache=cache,
-            state=state,
-            pairs=Pairs(tokens=new, hidden=verify_hidden, count=count, start=c.position),
             position=c.position + count,
-            last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
-            out=_commit(c.out, new, count, eos_id),
-            metrics=result.metrics,
+            last=jnp.where(active, token, c.last),
+            out=_commit(c.out, token[:, None], count, eos_id),
             key=key,
             steps=c.steps + 1,
-            active_steps=c.active_steps + active.astype(jnp.int32),
+            active_steps=c.active_steps + count,
         )
 
-    return _run(round_, loop)
+    return _run(plain_step, loop)
 
 
 def _run(round_: Callable[[_Loop], _Loop], loop: _Loop) -> GenerateOutput:
