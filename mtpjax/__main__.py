@@ -1,6 +1,8 @@
-"""Command line: `mtpjax demo` (speculative decoding on the shipped pair), `mtpjax selfcheck`
-(version and JAX backend) and `mtpjax convert SRC OUT ...` (a Hugging Face checkpoint's MTP
-drafter to an mtpjax checkpoint; `mtpjax convert --help` lists its flags)."""
+"""Command line: `mtpjax demo` (speculative decoding on the shipped pair, or on a Hugging Face
+directory with `--model DIR`), `mtpjax generate DIR --prompt TEXT` (generation from a Qwen3.5 /
+Qwen3-Next directory, with or without speculation), `mtpjax selfcheck` (version and JAX backend)
+and `mtpjax convert SRC OUT ...` (a Hugging Face checkpoint's MTP drafter to an mtpjax
+checkpoint; `mtpjax convert --help` lists its flags)."""
 
 from __future__ import annotations
 
@@ -36,12 +38,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo_parser = sub.add_parser(
         "demo",
-        help="speculative vs plain decoding on the shipped tiny model pair",
+        help="speculative vs plain decoding on the shipped tiny pair or --model DIR",
         description=demo.DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.main)
+    generate_parser = sub.add_parser(
+        "generate",
+        help="generate from a Hugging Face directory: generate DIR --prompt TEXT ...",
+        description=demo.GENERATE_DESCRIPTION,
+    )
+    demo.add_generate_arguments(generate_parser)
+    generate_parser.set_defaults(func=demo.generate_main)
     sub.add_parser(
         "convert",
         add_help=False,

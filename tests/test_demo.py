@@ -9,7 +9,7 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from mtpjax import demo
+from mtpjax import demo, pretrained
 from mtpjax.__main__ import main
 from mtpjax.checkpoint import FORMAT_VERSION
 
@@ -75,10 +75,11 @@ def test_json_output_has_the_fields_and_is_identical(demo_json, cache_dir):
     assert "held-out stdlib file" in data["prompt_source"]
 
 
-def test_conversion_is_cached_by_precision_and_source_hash(demo_json, cache_dir):
+def test_conversion_is_cached_by_precision_and_content_key(demo_json, cache_dir):
     path, reused = demo.converted_drafter("nvfp4", cache_dir=cache_dir, progress=False)
     assert reused
-    assert path.name == f"tiny_pair-nvfp4-{demo.source_hash()}-v{FORMAT_VERSION}"
+    key = pretrained.content_key(demo.ASSET_DIR)
+    assert path.name == f"tiny_pair-nvfp4-{key}-v{FORMAT_VERSION}"
     assert json.loads(demo_json[1])["checkpoint"] == str(path)
 
 
