@@ -13,6 +13,7 @@ in its own subpackage:
     mtpjax.verify      the verify step; its modules accept (the rule) and metrics (vLLM's)
     mtpjax.checkpoint  Hugging Face checkpoint conversion and load_drafter
     mtpjax.generation  speculative generation (one while_loop) and the plain baseline
+    mtpjax.pretrained  a Qwen3.5 / Qwen3-Next Hugging Face directory loaded for generate
     mtpjax.hybrid      the Qwen3.5 / Qwen3-Next target (Gated DeltaNet + full attention)
     mtpjax.reference   the reference full-attention target used by the demo and the tests
 
