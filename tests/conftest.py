@@ -36,8 +36,11 @@ _LONGEST_FIRST = (
     "test_notebook.py",
     "test_train_smoke.py",
     "test_generate.py",
+    "test_pretrained.py",
     "test_readme.py",
+    "test_bench_generate.py",
     "test_bench_propose.py",
+    "test_hybrid.py",
     "test_demo.py",
 )
 
