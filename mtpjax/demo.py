@@ -401,8 +401,9 @@ def report(r: DemoResult) -> str:
 
 DESCRIPTION = """\
 Speculative decoding with the shipped tiny Qwen3.5-architecture pair (Gated DeltaNet and
-full-attention layers), next to decoding with the target alone. The MTP head is converted at --precision into --cache-dir (reused afterwards);
-the default prompt is code from a standard-library file held out of the pair's training.
+full-attention layers), next to decoding with the target alone. The MTP head is converted at
+--precision into --cache-dir (reused afterwards); the default prompt is code from a
+standard-library file held out of the pair's training.
 Greedy speculation must reproduce the target's own output token for token; the exit status is 1
 if it does not. Speed is reported for the first call of each (compilation included) and in steady
 state (tokens per second, speed-up) on the default JAX device; the pair is a small demonstration
