@@ -1,9 +1,6 @@
 """``python -m mtpjax demo``: speculative decoding with the shipped tiny pair, next to plain
 decoding with the target alone (``DESCRIPTION`` is what it does and prints).
 
-The pair is a Qwen3.5-architecture target (``mtpjax.hybrid``: Gated DeltaNet and gated
-full-attention layers) and its trained MTP head, in the Hugging Face layout.
-
 The MTP head is converted into ``<cache-dir>/tiny_pair-<precision>-<hash of the source files>``
 and reused from there. The drafter reads the converted head (embedding and LM head at the chosen
 precision, as a quantised checkpoint ships them); the target verifies with its own BF16 head, so
@@ -222,7 +219,7 @@ def run(
     from tokenizers import Tokenizer
 
     from mtpjax import generation as gen
-    from mtpjax import hybrid
+    from mtpjax import reference
     from mtpjax.checkpoint import load_drafter
     from mtpjax.config import HiddenContract, load_hf_config
 
@@ -237,8 +234,7 @@ def run(
 
     ckpt_dir, reused = converted_drafter(precision, cache_dir=cache_dir, progress=progress)
     say(f"drafter checkpoint: {ckpt_dir} ({'reused' if reused else 'converted now'})")
-    tcfg = hybrid.HybridConfig.from_hf(ASSET_DIR)
-    target, head = hybrid.load(ASSET_DIR, cfg=tcfg)
+    tcfg, target, head = reference.load_target(ASSET_DIR)
     dcfg, ckpt = load_drafter(ckpt_dir)
     eos_id = load_hf_config(ASSET_DIR).get("eos_token_id")
     tokenizer = Tokenizer.from_file(str(ASSET_DIR / "tokenizer.json"))
@@ -261,8 +257,7 @@ def run(
     prompts = jnp.asarray([ids], jnp.int32)
     lengths = jnp.asarray([len(ids)], jnp.int32)
     hcfg = tcfg.lm_head_config()
-    # The target's state keeps the GDN layers' states after each row of a step: k + 1 rows.
-    model = hybrid.target_model(tcfg, target, head, max_step=num_drafts + 1)
+    model = gen.reference_target(tcfg, target, head)
     common = dict(
         head_cfg=hcfg,
         max_new_tokens=max_new_tokens,
@@ -353,7 +348,7 @@ def report(r: DemoResult) -> str:
     mode = "greedy" if greedy else f"sampled at temperature {r.temperature:g} (seed {r.seed})"
     rule = "-" * 72
     lines = [
-        "mtpjax demo: MTP speculative decoding on the shipped tiny Qwen3.5-architecture pair",
+        "mtpjax demo: MTP speculative decoding on the shipped tiny Qwen3-Next-style pair",
         f"  drafter   MTP head converted to {r.precision.upper()} ({r.hidden_contract} chain)",
         f"  decoding  {mode}, k={r.num_drafts} drafts per round",
         f"  prompt    {r.prompt_tokens} tokens from {r.prompt_source}",
@@ -400,10 +395,9 @@ def report(r: DemoResult) -> str:
 
 
 DESCRIPTION = """\
-Speculative decoding with the shipped tiny Qwen3.5-architecture pair (Gated DeltaNet and
-full-attention layers), next to decoding with the target alone. The MTP head is converted at
---precision into --cache-dir (reused afterwards); the default prompt is code from a
-standard-library file held out of the pair's training.
+Speculative decoding with the shipped tiny Qwen3-Next-style pair, next to decoding with the
+target alone. The MTP head is converted at --precision into --cache-dir (reused afterwards);
+the default prompt is code from a standard-library file held out of the pair's training.
 Greedy speculation must reproduce the target's own output token for token; the exit status is 1
 if it does not. Speed is reported for the first call of each (compilation included) and in steady
 state (tokens per second, speed-up) on the default JAX device; the pair is a small demonstration
