@@ -111,9 +111,9 @@ SIZES: dict[str, dict[str, int]] = {
         vocab_size=512,
     ),
     # The shipped pair: 3 GDN layers then 1 full-attention layer, wide FFNs, 13.6M parameters
-    # with the MTP head, 27 MB in bf16. Fewer, wider layers than the full-attention pair it
-    # replaces (5 x FFN 1024): a GDN layer moves about twice the bytes of an attention layer at
-    # T = 512, and the budget is a few minutes of one GPU.
+    # with the MTP head, 27 MB in bf16. Four wide layers rather than more narrow ones: a GDN
+    # layer is many small memory-bound ops, and the run has a few minutes of one GPU; a step
+    # costs about what one of the 5-layer full-attention pair this replaces did.
     "small": dict(
         hidden_size=384,
         num_hidden_layers=4,
