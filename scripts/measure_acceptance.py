@@ -4,10 +4,11 @@ hidden contract and number of drafts k.
     .venv/bin/python scripts/measure_acceptance.py \\
         --json benchmarks/results/acceptance_cpu.json
 
-Inputs. The target and the BF16 MTP head are the shipped pair (``mtpjax/assets/tiny_pair``).
-The FP8 and NVFP4 drafters are that head converted with ``mtpjax.checkpoint.convert`` into a
-temporary directory; they read the converted embedding and LM head, as a quantised checkpoint
-ships them, while the target verifies with its own BF16 head. The prompts are one window of
+Inputs. The target is the shipped pair's (``mtpjax/assets/tiny_pair``), a Qwen3.5-architecture
+model run by ``mtpjax.hybrid``. The drafters are its MTP head converted with
+``mtpjax.checkpoint.convert`` into a temporary directory at each precision (BF16 keeps the
+stored values); they read the converted embedding and LM head, as a quantised checkpoint ships
+them, while the target verifies with its own BF16 head. The prompts are one window of
 ``--prompt-len`` tokens from the middle of each held-out standard-library file
 (``mtpjax.demo.heldout_files``: the pair never saw them in training; the codec tables under
 ``encodings/`` are left out), keeping only files with room for the continuation;
@@ -44,7 +45,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from mtpjax import demo, reference
+from mtpjax import demo, hybrid
 from mtpjax import generation as gen
 from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.config import HiddenContract
@@ -77,17 +78,14 @@ def heldout_snippets(
     return np.stack([pool[i][1] for i in pick]), [pool[i][0] for i in pick]
 
 
-def load_drafters(precisions: list[str], *, scratch: Path, bf16: tuple) -> dict[str, tuple]:
-    """precision -> (drafter config, drafter params, the head the drafter reads). ``bf16`` is
-    that triple for the shipped head; other precisions are converted into ``scratch`` first."""
+def load_drafters(precisions: list[str], *, scratch: Path) -> dict[str, tuple]:
+    """precision -> (drafter config, drafter params, the head the drafter reads): the shipped
+    head converted into ``scratch`` at each precision."""
     out = {}
     for precision in precisions:
-        if precision == "bf16":
-            out[precision] = bf16
-        else:
-            convert(demo.ASSET_DIR, scratch / precision, precision=precision, progress=False)
-            dcfg, ckpt = load_drafter(scratch / precision)
-            out[precision] = (dcfg, ckpt.modules[0], ckpt.head)
+        convert(demo.ASSET_DIR, scratch / precision, precision=precision, progress=False)
+        dcfg, ckpt = load_drafter(scratch / precision)
+        out[precision] = (dcfg, ckpt.modules[0], ckpt.head)
     return out
 
 
@@ -196,20 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     prompts = jnp.asarray(snippets)  # [B, P]
     lengths = jnp.full((B,), args.prompt_len, jnp.int32)
 
-    tcfg, target, head, bf16_cfg, bf16 = reference.load_hf(demo.ASSET_DIR)
-    hcfg = tcfg.lm_head_config()
-    model = gen.reference_target(tcfg, target, head)
-    common = dict(head_cfg=hcfg, max_new_tokens=args.new_tokens)
+    tcfg = hybrid.HybridConfig.from_hf(demo.ASSET_DIR)
+    target, head = hybrid.load(demo.ASSET_DIR, cfg=tcfg)
+    common = dict(head_cfg=tcfg.lm_head_config(), max_new_tokens=args.new_tokens)
 
     records: list[dict[str, Any]] = []
     ok = True
     with tempfile.TemporaryDirectory(prefix="mtpjax-acceptance-") as scratch:
-        drafters = load_drafters(
-            args.precisions, scratch=Path(scratch), bf16=(bf16_cfg, bf16, head)
-        )
+        drafters = load_drafters(args.precisions, scratch=Path(scratch))
         total = len(args.ks) * len(args.precisions) * len(args.contracts)
         with tqdm(total=total, desc="configurations", unit="cfg") as bar:
             for k in args.ks:
+                # The state keeps the GDN layers' states after each of a step's k + 1 rows.
+                model = hybrid.target_model(tcfg, target, head, max_step=k + 1)
                 base = jax.device_get(
                     gen.generate_baseline(model, head, prompts, lengths, step_width=k + 1, **common)
                 )

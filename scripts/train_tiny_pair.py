@@ -5,22 +5,32 @@ excluded), text none of us wrote. Files are split into train / held-out by a has
 relative path, so the split is fixed across machines and runs; the held-out list is written out.
 A byte-level BPE tokenizer is trained on the train files only.
 
-The target is ``mtpjax.reference.target`` (Qwen3-Next-style, dense); the MTP head is the
-library's drafter (``mtpjax.drafter``), predicting token_{t+2} from (token_{t+1}, hidden_t):
+The target is ``mtpjax.hybrid`` in the Qwen3.5 text architecture: per ``layer_types``, three of
+every four layers are Gated DeltaNet (causal conv, gated delta rule, gated output norm) and the
+fourth gated full attention (q/k norms, partial RoPE); zero-centred RMSNorms, dense SwiGLU FFNs,
+tied embeddings. Its ``forward`` runs the chunked delta rule, which is differentiable. The MTP
+head is the library's drafter (``mtpjax.drafter``), predicting token_{t+2} from (token_{t+1},
+hidden_t), and, chained on its own output as it drafts at inference, token_{t+1+j} at step j:
 
-    loss = CE(lm_head(h_t), x_{t+1}) + mtp_weight * CE(drafter(x_{t+1}, h_t), x_{t+2})
+    loss = CE(lm_head(h_t), x_{t+1}) + mtp_weight * sum_j CE(drafter_j, x_{t+1+j})
 
-as in DeepSeek-V3 (mtp_weight 0.3). The MTP loss also trains the shared trunk, embedding and
-LM head. AdamW with linear warmup and cosine decay; F32 master weights, BF16 matmuls on GPU.
+(DeepSeek-V3's MTP loss with mtp_weight 0.3; ``--mtp-steps`` chained steps, each reading the
+previous step's post-norm ``h_out`` and the true next token, the train-time form of the drafts
+2..k the head makes at inference). The MTP loss also trains the shared trunk, embedding and LM
+head. AdamW with linear warmup and cosine decay; F32 master weights, BF16 matmuls on GPU.
 
-When ``--steps`` is not given, the step count is chosen after timing a few steps so training
-fits ``--minutes`` (and at most ``--max-epochs`` passes over the train tokens); the chosen count
-is written to the log, and ``--steps N`` reproduces the run exactly.
+The train and evaluation steps are compiled ahead of the loop, together, and their FLOPs and
+device memory printed with a roofline floor of the step time on a known GPU. When ``--steps`` is
+not given, the step count is chosen after timing a few steps so training fits ``--minutes`` (and
+at most ``--max-epochs`` passes over the train tokens); the chosen count is written to the log,
+and ``--steps N`` reproduces the run exactly.
 
-Output (Hugging Face layout): config.json, model.safetensors (bf16 ``model.*``, ``lm_head``,
-``mtp.*``), tokenizer.json, heldout_files.txt, training_log.json, loss_curve.png.
+Output (Hugging Face layout, what transformers' ``Qwen3_5ForCausalLM`` loads; it skips the
+``mtp.*`` tensors, which ``mtpjax.checkpoint.convert`` reads): config.json (``qwen3_5_text``),
+model.safetensors (bf16 ``model.*`` and ``mtp.*``), tokenizer.json, heldout_files.txt,
+training_log.json, loss_curve.png.
 
-    PYTHONPATH=. python3 scripts/train_tiny_pair.py --out /tmp/tiny_pair --size small --minutes 5
+    PYTHONPATH=. python3 scripts/train_tiny_pair.py --out /tmp/tiny_pair --size small --minutes 4.5
     PYTHONPATH=. python3 scripts/train_tiny_pair.py --out /tmp/smoke --smoke
     PYTHONPATH=. python3 scripts/train_tiny_pair.py --evaluate mtpjax/assets/tiny_pair
 """
@@ -28,6 +38,7 @@ Output (Hugging Face layout): config.json, model.safetensors (bf16 ``model.*``, 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import hashlib
@@ -35,6 +46,7 @@ import json
 import math
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -66,39 +78,60 @@ except ImportError:  # a bare GPU image: keep training, report progress in plain
         def close(self):
             pass
 
+        @staticmethod
+        def write(line):
+            print(line, flush=True)
+
 
 from mtpjax import drafter as drafter_lib
+from mtpjax import generation as gen
+from mtpjax import hybrid
 from mtpjax.config import DrafterConfig, LMHeadConfig
-from mtpjax.head import init_lm_head, lm_head
-from mtpjax.reference import hf_io
-from mtpjax.reference import target as target_lib
-from mtpjax.reference.target import TargetConfig
+from mtpjax.head import from_arrays, lm_head
+from mtpjax.weights import Bf16Weight, Weight
 
 EOS = "<|endoftext|>"
 HELDOUT_PER_MILLE = 40  # ~4% of the files, chosen by a hash of their relative path
+FULL_ATTENTION_INTERVAL = 4  # layer i is full attention iff (i + 1) % 4 == 0, as in Qwen3.5
+PARTIAL_ROTARY_FACTOR = 0.25
 
 SIZES: dict[str, dict[str, int]] = {
     # Seconds on a laptop CPU; only checks that everything runs end to end.
     "tiny": dict(
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=4,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
         intermediate_size=192,
         vocab_size=512,
     ),
-    # The shipped pair: ~14M parameters, under 32 MB in bf16 with the tokenizer.
+    # The shipped pair: 3 GDN layers then 1 full-attention layer, wide FFNs, 13.6M parameters
+    # with the MTP head, 27 MB in bf16. Four wide layers rather than more narrow ones: a GDN
+    # layer is many small memory-bound ops, and the run has a few minutes of one GPU; a step
+    # costs about what one of the 5-layer full-attention pair this replaces did.
     "small": dict(
         hidden_size=384,
-        num_hidden_layers=5,
+        num_hidden_layers=4,
         num_attention_heads=6,
         num_key_value_heads=2,
         head_dim=64,
-        intermediate_size=1024,
+        linear_num_key_heads=3,
+        linear_num_value_heads=6,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        intermediate_size=1536,
         vocab_size=4096,
     ),
 }
+
+# Dense BF16 matmul rate and HBM bandwidth by the vendors' datasheets: the roofline floor of a
+# step printed at startup on these devices.
+PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12)}
 
 
 # ------------------------------------------------------------------------------------------
@@ -180,18 +213,79 @@ def pack(tok, texts: list[str]) -> np.ndarray:
 # Model, loss, steps.
 
 
+def hf_config(size: str, *, max_position_embeddings: int, eos_id: int | None) -> dict[str, Any]:
+    """The pair's ``config.json``: a Qwen3.5 text model (``qwen3_5_text``, what
+    ``Qwen3_5ForCausalLM`` reads) with one dense MTP layer and tied embeddings."""
+    s = SIZES[size]
+    L = s["num_hidden_layers"]
+    half = int(s["head_dim"] * PARTIAL_ROTARY_FACTOR) // 2
+    # M-RoPE's (temporal, height, width) split of the rotary pairs. Text positions are the same
+    # in all three, so it does not change the rotation; it is written as Qwen3.5 writes it.
+    width = half // 3
+    height = (half - width) // 2
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        **s,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": PARTIAL_ROTARY_FACTOR,
+            "mrope_section": [half - height - width, height, width],
+            "mrope_interleaved": True,
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "linear_conv_kernel_dim": 4,
+        "layer_types": [
+            "full_attention" if (i + 1) % FULL_ATTENTION_INTERVAL == 0 else "linear_attention"
+            for i in range(L)
+        ],
+        "full_attention_interval": FULL_ATTENTION_INTERVAL,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "dtype": "bfloat16",
+    }
+
+
 def make_configs(
-    size: str, *, max_position_embeddings: int, compute_dtype: str
-) -> tuple[TargetConfig, DrafterConfig, LMHeadConfig]:
-    tcfg = TargetConfig(
-        **SIZES[size],
-        partial_rotary_factor=0.25,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=max_position_embeddings,
-        compute_dtype=compute_dtype,
-    )
-    return tcfg, tcfg.drafter_config(), tcfg.lm_head_config()
+    config: dict[str, Any], *, compute_dtype: str
+) -> tuple[hybrid.HybridConfig, DrafterConfig, LMHeadConfig]:
+    """The target, drafter and head configs, read from ``config`` as the loaders read it."""
+    cfg = hybrid.HybridConfig.from_hf(config, compute_dtype=compute_dtype)
+    return cfg, DrafterConfig.from_hf_config(config), cfg.lm_head_config()
+
+
+def init_gates(params: hybrid.HybridParams, *, key: jax.Array) -> hybrid.HybridParams:
+    """Spread the GDN decay rates over time scales, as Mamba-2 and FLA's GatedDeltaNet do:
+    ``A ~ U(1, 16)``, ``dt ~ logU(1e-3, 1e-1)`` with ``dt_bias = softplus^-1(dt)``, so that
+    ``g = -A * softplus(a + dt_bias)`` starts between -1.6 and -1e-3 (memories of a token to a
+    thousand tokens) at ``a = 0``."""
+    layers = []
+    for p, layer in enumerate(params.layers):
+        if isinstance(layer, hybrid.GdnLayerParams):
+            gdn = layer.linear_attn
+            k_a, k_dt = jax.random.split(jax.random.fold_in(key, p))
+            A = jax.random.uniform(k_a, gdn.A_log.shape, minval=1.0, maxval=16.0)
+            u = jax.random.uniform(k_dt, gdn.dt_bias.shape)
+            dt = jnp.exp(math.log(1e-3) + u * (math.log(1e-1) - math.log(1e-3)))
+            gdn = dataclasses.replace(
+                gdn,
+                A_log=jnp.log(A).astype(gdn.A_log.dtype),
+                dt_bias=(dt + jnp.log(-jnp.expm1(-dt))).astype(gdn.dt_bias.dtype),
+            )
+            layer = dataclasses.replace(layer, linear_attn=gdn)
+        layers.append(layer)
+    return dataclasses.replace(params, layers=tuple(layers))
 
 
 def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -199,53 +293,78 @@ def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def pair_losses(
-    target, head, mtp, windows, *, tcfg, dcfg, hcfg
+    params, head, mtp, windows, *, cfg, dcfg, hcfg, mtp_steps: int = 1
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Main and MTP losses on windows int32[B, T + 2] (positions 0..T-1 are the inputs)."""
-    T = windows.shape[1] - 2
-    inputs = windows[:, :T]
-    hidden = target_lib.target_forward(target, head, inputs, cfg=tcfg, implementation="xla")
+    """Main and MTP losses on windows int32[B, T + 1 + mtp_steps] (positions 0..T-1 are the
+    inputs). Returns (main, the MTP losses summed over the chained steps, stats)."""
+    T = windows.shape[1] - 1 - mtp_steps
+    hidden, _ = hybrid.forward(params, head, windows[:, :T], cfg=cfg, implementation="xla")
     # The main head reads the hidden in the trunk's compute dtype (BF16 matmuls when training
     # on GPU); the drafter reads the F32 hidden, as at inference.
-    logits = lm_head(head, hidden.astype(tcfg.compute_dtype), cfg=hcfg, implementation="xla")
+    logits = lm_head(head, hidden.astype(cfg.compute_dtype), cfg=hcfg, implementation="xla")
     main = _xent(logits, windows[:, 1 : T + 1])
-    out = drafter_lib.drafter_forward(
-        mtp, head, windows[:, 1 : T + 1], hidden, cfg=dcfg, head_cfg=hcfg, implementation="xla"
-    )
-    mtp_loss = _xent(out.logits, windows[:, 2 : T + 2])
     target_next = jnp.argmax(logits, -1)  # greedy prediction of x_{t+1}
-    draft = jnp.argmax(out.logits, -1)  # drafter's prediction of x_{t+2}
-    stats = dict(
-        target_acc=jnp.mean(target_next == windows[:, 1 : T + 1]),
-        mtp_acc=jnp.mean(draft == windows[:, 2 : T + 2]),
-        # What greedy verification checks: does the draft equal the target's own argmax there?
-        mtp_agree=jnp.mean(draft[:, :-1] == target_next[:, 1:]),
-    )
-    return jnp.mean(main), jnp.mean(mtp_loss), stats
+    # Step j reads (x_{t+1+j}, the previous step's h_out at t) and predicts x_{t+2+j}; step 0
+    # reads the target's hidden.
+    h, losses, stats = hidden, [], {}
+    for j in range(mtp_steps):
+        out = drafter_lib.drafter_forward(
+            mtp,
+            head,
+            windows[:, 1 + j : T + 1 + j],
+            h,
+            cfg=dcfg,
+            head_cfg=hcfg,
+            implementation="xla",
+        )
+        labels = windows[:, 2 + j : T + 2 + j]
+        losses.append(jnp.mean(_xent(out.logits, labels)))
+        if j == 0:
+            draft = jnp.argmax(out.logits, -1)  # drafter's prediction of x_{t+2}
+            stats = dict(
+                target_acc=jnp.mean(target_next == windows[:, 1 : T + 1]),
+                mtp_acc=jnp.mean(draft == labels),
+                # What greedy verification checks: does the draft equal the target's own argmax?
+                mtp_agree=jnp.mean(draft[:, :-1] == target_next[:, 1:]),
+            )
+        else:
+            stats[f"mtp{j + 1}"] = losses[-1]
+        h = out.h_out
+    return jnp.mean(main), sum(losses), dict(stats, mtp1=losses[0])
 
 
 @dataclasses.dataclass(frozen=True)
 class Trainer:
-    """The jitted steps over F32 master leaves of (target, head, mtp) cast to their dtypes."""
+    """The steps over F32 master leaves of (target params, embedding, untied LM head or None,
+    MTP head), cast to their dtypes; the LM head is rebuilt from them (tied: the embedding)."""
 
     treedef: Any
     dtypes: tuple[Any, ...]
-    tcfg: TargetConfig
+    cfg: hybrid.HybridConfig
     dcfg: DrafterConfig
     hcfg: LMHeadConfig
     mtp_weight: float
+    mtp_steps: int
     batch: int
     seq_len: int
     weight_decay: float
     clip: float
 
+    @property
+    def window(self) -> int:
+        return self.seq_len + 1 + self.mtp_steps
+
     def unflatten(self, master):
         leaves = [m.astype(d) for m, d in zip(master, self.dtypes)]
-        return jax.tree.unflatten(self.treedef, leaves)
+        params, embedding, head_weight, mtp = jax.tree.unflatten(self.treedef, leaves)
+        head = from_arrays(
+            self.hcfg, lm_head=head_weight, embedding=embedding, final_norm=params.final_norm
+        )
+        return params, head, mtp
 
     def optimizer(self, master) -> optax.GradientTransformation:
         # AdamW with the learning rate applied outside (so the schedule's length can be set
-        # after timing); decay only matrices, never norms.
+        # after timing); decay only matrices, never norms or the GDN gates' parameters.
         mask = [m.ndim >= 2 for m in master]
         return optax.chain(
             optax.clip_by_global_norm(self.clip),
@@ -254,26 +373,60 @@ class Trainer:
         )
 
     def loss(self, master, windows):
-        target, head, mtp = self.unflatten(master)
+        params, head, mtp = self.unflatten(master)
         main, mtp_loss, stats = pair_losses(
-            target, head, mtp, windows, tcfg=self.tcfg, dcfg=self.dcfg, hcfg=self.hcfg
+            params,
+            head,
+            mtp,
+            windows,
+            cfg=self.cfg,
+            dcfg=self.dcfg,
+            hcfg=self.hcfg,
+            mtp_steps=self.mtp_steps,
         )
-        return main + self.mtp_weight * mtp_loss, dict(main=main, mtp=mtp_loss, **stats)
+        total = main + self.mtp_weight * mtp_loss
+        return total, dict(loss=total, main=main, mtp=stats.pop("mtp1"), **stats)
 
-    @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
-    def train_step(self, master, opt_state, data, key, lr):
-        T = self.seq_len + 2
-        starts = jax.random.randint(key, (self.batch,), 0, data.shape[0] - T)
-        windows = jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(data, s, T))(starts)
-        (_, metrics), grads = jax.value_and_grad(self.loss, has_aux=True)(master, windows)
-        updates, opt_state = self.optimizer(master).update(grads, opt_state, master)
-        master = jax.tree.map(lambda p, u: p - lr * u, master, updates)
-        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads))
-        return master, opt_state, metrics
 
-    @functools.partial(jax.jit, static_argnums=0)
-    def eval_step(self, master, windows):
-        return self.loss(master, windows)[1]
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+def train_step(trainer: Trainer, master, opt_state, data, key, lr):
+    starts = jax.random.randint(key, (trainer.batch,), 0, data.shape[0] - trainer.window)
+    windows = jax.vmap(lambda s: jax.lax.dynamic_slice_in_dim(data, s, trainer.window))(starts)
+    (_, metrics), grads = jax.value_and_grad(trainer.loss, has_aux=True)(master, windows)
+    updates, opt_state = trainer.optimizer(master).update(grads, opt_state, master)
+    master = jax.tree.map(lambda p, u: p - lr * u, master, updates)
+    metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads))
+    return master, opt_state, metrics
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def eval_step(trainer: Trainer, master, windows):
+    return trainer.loss(master, windows)[1]
+
+
+def program_report(compiled, device: jax.Device, what: str) -> dict[str, float]:
+    """FLOPs, bytes accessed and device memory of a compiled step, and its roofline floor on a
+    device in ``PEAKS``; printed and returned for the log."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mem = compiled.memory_analysis()
+    out = dict(flops=float(cost.get("flops", 0.0)), bytes=float(cost.get("bytes accessed", 0.0)))
+    if mem is not None:
+        out["memory_bytes"] = float(
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            - mem.alias_size_in_bytes
+            + mem.temp_size_in_bytes
+        )
+    line = f"{what}: {out['flops'] / 1e12:.2f} TFLOP, {out['bytes'] / 1e9:.1f} GB accessed"
+    if "memory_bytes" in out:
+        line += f", {out['memory_bytes'] / 2**30:.2f} GiB device memory"
+    peak = next((v for k, v in PEAKS.items() if k in device.device_kind), None)
+    if peak is not None:
+        out["roofline_s"] = max(out["flops"] / peak[0], out["bytes"] / peak[1])
+        line += f"; roofline floor {1e3 * out['roofline_s']:.0f} ms on {device.device_kind}"
+    print(line, flush=True)
+    return out
 
 
 def lr_at(step: int, *, total: int, warmup: int, peak: float, floor: float = 0.1) -> float:
@@ -284,134 +437,112 @@ def lr_at(step: int, *, total: int, warmup: int, peak: float, floor: float = 0.1
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def heldout_windows(tokens: np.ndarray, *, seq_len: int, count: int) -> np.ndarray:
-    """Up to ``count`` non-overlapping windows int32[n, seq_len + 2] spread evenly over the
-    whole held-out stream (not its first files only: a few codec tables would dominate)."""
-    T = seq_len + 2
-    fit = len(tokens) // T
+def heldout_windows(tokens: np.ndarray, *, length: int, count: int) -> np.ndarray:
+    """Up to ``count`` non-overlapping windows int32[n, length] spread evenly over the whole
+    held-out stream (not its first files only: a few codec tables would dominate)."""
+    fit = len(tokens) // length
     if fit == 0:
         raise RuntimeError(f"held-out text has {len(tokens)} tokens, fewer than one window")
     slots = np.unique(np.linspace(0, fit - 1, min(count, fit)).round().astype(int))
-    return np.stack([tokens[i * T : (i + 1) * T] for i in slots])
+    return np.stack([tokens[i * length : (i + 1) * length] for i in slots])
 
 
-def evaluate_windows(trainer: Trainer, master, windows: np.ndarray) -> dict[str, float]:
+def evaluate_windows(step, trainer: Trainer, master, windows: np.ndarray) -> dict[str, float]:
+    """Mean stats over full batches of ``windows`` through ``step`` (compiled for one batch);
+    fewer windows than a batch go through ``eval_step`` as one ragged call."""
     sums: dict[str, float] = {}
     n = 0
     for i in range(0, len(windows) - trainer.batch + 1, trainer.batch):
-        m = jax.device_get(trainer.eval_step(master, jnp.asarray(windows[i : i + trainer.batch])))
+        m = jax.device_get(step(master, jnp.asarray(windows[i : i + trainer.batch])))
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
         n += 1
-    if n == 0:  # fewer windows than a batch: one ragged call
-        m = jax.device_get(trainer.eval_step(master, jnp.asarray(windows)))
+    if n == 0:
+        m = jax.device_get(eval_step(trainer, master, jnp.asarray(windows)))
         return {k: float(v) for k, v in m.items()}
     return {k: v / n for k, v in sums.items()}
 
 
 # ------------------------------------------------------------------------------------------
+# Saving: the Qwen3.5 text layout, mtp.* beside it.
+
+# Checkpoint module names of the params dataclasses' fields where they differ.
+_MODULE_NAMES = {"attention": "self_attn", "ffn": "mlp", "layer": "layers.0"}
+_NO_WEIGHT_SUFFIX = ("A_log", "dt_bias")
+
+
+def _tensors(node: Any, prefix: str) -> dict[str, jax.Array]:
+    """Checkpoint name -> array for a params dataclass (one unstacked layer, or the MTP head)."""
+    out: dict[str, jax.Array] = {}
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        name = prefix + _MODULE_NAMES.get(field.name, field.name)
+        if value is None:
+            continue
+        if isinstance(value, Weight):
+            if not isinstance(value, Bf16Weight):
+                raise TypeError(f"{name}: only BF16 weights are saved, got {type(value).__name__}")
+            out[name + ".weight"] = value.w
+        elif dataclasses.is_dataclass(value):
+            out |= _tensors(value, name + ".")
+        else:
+            out[name + ("" if field.name in _NO_WEIGHT_SUFFIX else ".weight")] = value
+    return out
+
+
+def save_pair(
+    directory: Path, *, config: dict[str, Any], cfg: hybrid.HybridConfig, params, head, mtp
+) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` (every tensor BF16): ``model.*`` as
+    ``Qwen3_5ForCausalLM`` names them (``lm_head.weight`` only when untied), ``mtp.*`` as the
+    released Qwen3.5 checkpoints do."""
+    from safetensors.flax import save_file
+
+    tensors = {"model.embed_tokens.weight": head.embedding, "model.norm.weight": params.final_norm}
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = head.weight.w
+    for i in range(cfg.num_hidden_layers):
+        group, slot = divmod(i, cfg.period)  # layer i is group g's slot p
+        layer = jax.tree.map(lambda a, g=group: a[g], params.layers[slot])
+        tensors |= _tensors(layer, f"model.layers.{i}.")
+    tensors |= _tensors(mtp, "mtp.")
+    tensors = {k: jnp.asarray(v).astype(jnp.bfloat16) for k, v in sorted(tensors.items())}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ------------------------------------------------------------------------------------------
 # Acceptance: greedy speculative decoding with k drafts, chained on the drafter's own h_out.
-
-# Quality is measured on the XLA reference path so a kernel under development elsewhere in the
-# library cannot change the numbers.
-XLA = dict(implementation="xla")
-
-
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "hcfg", "k"))
-def _spec_round(target, head, mtp, cache, toks, hid, n, *, tcfg, dcfg, hcfg, k):
-    """One propose + verify round for every sequence.
-
-    toks: int32[B, M] committed tokens x_0..x_n (n[b] indexes the newest, whose hidden is not
-    computed yet); hid: f32[B, M, H] the target's hidden at positions < n. Drafter row i is the
-    pair (x_{i+1}, h_i); rows past the committed ones get padding positions so nothing sees them.
-    Returns (toks, hid, n, cache, accepted int32[B]).
-    """
-    B, M = toks.shape
-    b = jnp.arange(B)
-    idx = jnp.arange(M)[None]
-    row_tok = jnp.roll(toks, -1, axis=1)
-    row_hid = hid
-    drafts = []
-    for j in range(k):
-        positions = jnp.where(idx < (n + j)[:, None], idx, M + idx)
-        out = drafter_lib.drafter_forward(
-            mtp, head, row_tok, row_hid, cfg=dcfg, positions=positions, head_cfg=hcfg, **XLA
-        )
-        last = n - 1 + j
-        d = jnp.argmax(out.logits[b, last], -1).astype(jnp.int32)
-        drafts.append(d)
-        row_tok = row_tok.at[b, n + j].set(d, mode="drop")
-        row_hid = row_hid.at[b, n + j].set(out.h_out[b, last], mode="drop")
-    drafts = jnp.stack(drafts, 1)  # [B, k]
-    verify = jnp.concatenate([toks[b, n][:, None], drafts], 1)  # [B, k + 1]
-    h, cache = target_lib.target_step(target, head, cache, verify, n, cfg=tcfg, **XLA)
-    g = jnp.argmax(lm_head(head, h, cfg=hcfg, **XLA), -1).astype(
-        jnp.int32
-    )  # g_j predicts x_{n+1+j}
-    accepted = jnp.sum(jnp.cumprod(drafts == g[:, :k], axis=1), axis=1).astype(jnp.int32)
-    # Accepted drafts equal the target's argmax, so the new tokens are g_0..g_a.
-    cols = n[:, None] + jnp.arange(k + 1)[None]
-    toks = toks.at[b[:, None], cols + 1].set(g, mode="drop")
-    hid = hid.at[b[:, None], cols].set(h, mode="drop")
-    return toks, hid, n + accepted + 1, cache, accepted
-
-
-@functools.partial(jax.jit, static_argnames=("tcfg", "hcfg"))
-def _greedy_step(target, head, cache, last, pos, *, tcfg, hcfg):
-    h, cache = target_lib.target_step(target, head, cache, last[:, None], pos, cfg=tcfg, **XLA)
-    return jnp.argmax(lm_head(head, h[:, 0], cfg=hcfg, **XLA), -1).astype(jnp.int32), cache
 
 
 def speculative_acceptance(
-    target, head, mtp, prompts: np.ndarray, *, tcfg, dcfg, hcfg, new_tokens: int, k: int = 3
+    cfg, params, head, dcfg, mtp, prompts: np.ndarray, *, new_tokens: int, k: int = 3
 ) -> dict[str, Any]:
-    """Greedy speculative decoding of ``prompts`` int32[B, P]; also checks it equals plain
-    greedy decoding token for token. Returns mean acceptance length and per-position rates."""
+    """Greedy speculative decoding of ``prompts`` int32[B, P] with ``mtpjax.generate``, checked
+    against plain greedy decoding token for token. Quality is measured on the XLA reference
+    path, so a kernel under development elsewhere in the library cannot change the numbers."""
     B, P = prompts.shape
-    M = P + new_tokens + k + 2
-    cache = target_lib.init_cache(tcfg, batch=B, max_len=M)
+    model = hybrid.target_model(cfg, params, head, max_step=k + 1, implementation="xla")
     lengths = jnp.full((B,), P, jnp.int32)
-    h, cache = target_lib.target_prefill(
-        target, head, cache, jnp.asarray(prompts), lengths, cfg=tcfg, **XLA
+    common = dict(head_cfg=cfg.lm_head_config(), max_new_tokens=new_tokens, implementation="xla")
+    spec = jax.device_get(
+        gen.generate(model, mtp, head, prompts, lengths, drafter_cfg=dcfg, num_drafts=k, **common)
     )
-    first = jnp.argmax(lm_head(head, h[:, -1], cfg=hcfg, **XLA), -1).astype(jnp.int32)
-    toks = jnp.zeros((B, M), jnp.int32).at[:, :P].set(prompts).at[:, P].set(first)
-    hid = jnp.zeros((B, M, tcfg.hidden_size), jnp.float32).at[:, :P].set(h)
-    n = jnp.full((B,), P, jnp.int32)
-    accepted_hist = []
-    while int(jnp.min(n)) < P + new_tokens:
-        toks, hid, n, cache, acc = _spec_round(
-            target, head, mtp, cache, toks, hid, n, tcfg=tcfg, dcfg=dcfg, hcfg=hcfg, k=k
-        )
-        active = np.asarray(n - acc - 1) < P + new_tokens  # rounds that started in range
-        accepted_hist.append(np.where(active, np.asarray(acc), -1))
-    acc = np.stack(accepted_hist, 1)  # [B, rounds], -1 = sequence already done
-    valid = acc >= 0
-    spec = np.asarray(toks)[:, : P + new_tokens + 1]
-
-    # Plain greedy with the same target, for the exactness check.
-    cache = target_lib.init_cache(tcfg, batch=B, max_len=M)
-    _, cache = target_lib.target_prefill(
-        target, head, cache, jnp.asarray(prompts), lengths, cfg=tcfg, **XLA
+    base = jax.device_get(
+        gen.generate_baseline(model, head, prompts, lengths, step_width=k + 1, **common)
     )
-    greedy = [prompts, np.asarray(first)[:, None]]
-    last = first
-    for pos in range(P, P + new_tokens):
-        last, cache = _greedy_step(
-            target, head, cache, last, jnp.full((B,), pos, jnp.int32), tcfg=tcfg, hcfg=hcfg
-        )
-        greedy.append(np.asarray(last)[:, None])
-    greedy = np.concatenate(greedy, 1)
-    per_pos = [float(np.mean(acc[valid] > j)) for j in range(k)]
+    m = spec.metrics
     return dict(
         k=k,
         sequences=B,
         prompt_len=P,
         new_tokens=new_tokens,
-        rounds=int(valid.sum()),
-        mean_acceptance_length=float(1 + acc[valid].mean()),
-        acceptance_rate_per_position=per_pos,
-        matches_plain_greedy=bool(np.array_equal(spec, greedy)),
+        rounds=int(m.num_drafts),
+        mean_acceptance_length=float(m.mean_acceptance_length()),
+        acceptance_rate_per_position=[float(r) for r in m.acceptance_rate_per_pos()],
+        matches_plain_greedy=bool(
+            np.array_equal(spec.tokens, base.tokens) and np.array_equal(spec.lengths, base.lengths)
+        ),
     )
 
 
@@ -437,36 +568,41 @@ def acceptance_snippets(
     return np.stack([pool[i][1] for i in pick]), [pool[i][0] for i in pick]
 
 
+def load_pair(directory: Path):
+    """(cfg, params, head, drafter cfg, drafter) of a saved pair; the MTP head goes through the
+    checkpoint converter at BF16, as a user's would."""
+    from mtpjax.checkpoint import load_drafter
+    from mtpjax.demo import converted_drafter
+
+    cfg = hybrid.HybridConfig.from_hf(directory)
+    params, head = hybrid.load(directory, cfg=cfg)
+    with tempfile.TemporaryDirectory() as cache:
+        path, _ = converted_drafter("bf16", cache_dir=Path(cache), source=directory, progress=False)
+        dcfg, ckpt = load_drafter(path)
+    return cfg, params, head, dcfg, ckpt.modules[0]
+
+
 def measure_acceptance(directory: Path, *, snippets: int, prompt_len: int, new_tokens: int):
     """Teacher-forced and speculative greedy acceptance (k=3) of a saved pair on snippets of
     its held-out files, read from this interpreter's standard library."""
     from tokenizers import Tokenizer
 
-    tcfg, target, head, dcfg, mtp = hf_io.load_hf(directory)
-    hcfg = tcfg.lm_head_config()
+    cfg, params, head, dcfg, mtp = load_pair(directory)
     tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
     windows, files = acceptance_snippets(
         directory, tok, snippets=snippets, length=prompt_len + new_tokens + 2
     )
-    main, mtp_loss, stats = jax.jit(
-        functools.partial(pair_losses, tcfg=tcfg, dcfg=dcfg, hcfg=hcfg)
-    )(target, head, mtp, jnp.asarray(windows))
+    losses = functools.partial(pair_losses, cfg=cfg, dcfg=dcfg, hcfg=cfg.lm_head_config())
+    main, mtp_loss, stats = jax.jit(losses)(params, head, mtp, jnp.asarray(windows))
     return dict(
         files=files,
         teacher_forced=dict(
             main_loss=float(main),
             mtp_loss=float(mtp_loss),
-            **{k: float(v) for k, v in stats.items()},
+            **{k: float(v) for k, v in stats.items() if k != "mtp1"},
         ),
         speculative=speculative_acceptance(
-            target,
-            head,
-            mtp,
-            windows[:, :prompt_len],
-            tcfg=tcfg,
-            dcfg=dcfg,
-            hcfg=hcfg,
-            new_tokens=new_tokens,
+            cfg, params, head, dcfg, mtp, windows[:, :prompt_len], new_tokens=new_tokens
         ),
     )
 
@@ -494,7 +630,7 @@ def plot_losses(log: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_yscale("log")
-    ax.set_title(f"tiny pair ({log['size']}): {log['tokens_seen'] / 1e6:.0f}M tokens")
+    ax.set_title(f"tiny Qwen3.5 pair ({log['size']}): {log['tokens_seen'] / 1e6:.0f}M tokens")
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()
@@ -515,6 +651,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=150)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--mtp-weight", type=float, default=0.3, help="lambda of the MTP loss")
+    p.add_argument("--mtp-steps", type=int, default=2, help="chained MTP steps trained (2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=None, help="default: ~25 evaluations")
     p.add_argument("--eval-windows", type=int, default=128)
@@ -532,6 +669,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.max_files = args.max_files or 24
         args.warmup, args.eval_windows = 2, 4
         args.eval_every = args.eval_every or 3
+    if args.mtp_steps < 1:
+        p.error(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
     if args.evaluate is None and args.out is None:
         p.error("--out is required")
     return args
@@ -552,6 +691,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     deadline = t_start + 60 * args.minutes
+    device = jax.devices()[0]
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
     compute_dtype = args.compute_dtype or ("bfloat16" if on_gpu else "float32")
     out: Path = args.out
@@ -579,22 +719,27 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     # ---- model ----
-    tcfg, dcfg, hcfg = make_configs(
-        args.size, max_position_embeddings=max(2048, args.seq_len * 2), compute_dtype=compute_dtype
+    config = hf_config(
+        args.size,
+        max_position_embeddings=max(2048, args.seq_len * 2),
+        eos_id=tok.token_to_id(EOS),
     )
-    k_t, k_h, k_d, k_data = jax.random.split(jax.random.key(args.seed), 4)
-    target = target_lib.init(tcfg, key=k_t)
-    head = init_lm_head(hcfg, key=k_h)
+    cfg, dcfg, hcfg = make_configs(config, compute_dtype=compute_dtype)
+    k_t, k_g, k_d, k_data = jax.random.split(jax.random.key(args.seed), 4)
+    params, head = hybrid.init(cfg, key=k_t)
+    params = init_gates(params, key=k_g)
     mtp = drafter_lib.init(dcfg, key=k_d)
-    leaves, treedef = jax.tree.flatten((target, head, mtp))
+    untied = None if cfg.tie_word_embeddings else head.weight
+    leaves, treedef = jax.tree.flatten((params, head.embedding, untied, mtp))
     master = [jnp.asarray(leaf, jnp.float32) for leaf in leaves]
     trainer = Trainer(
         treedef=treedef,
         dtypes=tuple(leaf.dtype for leaf in leaves),
-        tcfg=tcfg,
+        cfg=cfg,
         dcfg=dcfg,
         hcfg=hcfg,
         mtp_weight=args.mtp_weight,
+        mtp_steps=args.mtp_steps,
         batch=args.batch,
         seq_len=args.seq_len,
         weight_decay=args.weight_decay,
@@ -603,9 +748,36 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(int(np.prod(m.shape)) for m in master)
     opt_state = trainer.optimizer(master).init(master)
     data = jnp.asarray(train_tokens)
-    held = heldout_windows(held_tokens, seq_len=args.seq_len, count=args.eval_windows)
+    held = heldout_windows(held_tokens, length=trainer.window, count=args.eval_windows)
     tokens_per_step = args.batch * args.seq_len
     epoch_cap = max(1, int(args.max_epochs * len(train_tokens) / tokens_per_step))
+    kinds = "".join("F" if t is hybrid.LayerType.FULL_ATTENTION else "G" for t in cfg.layer_types)
+    print(
+        f"target: Qwen3.5 text, {cfg.num_hidden_layers} layers {kinds} (G: Gated DeltaNet "
+        f"{cfg.linear_num_key_heads}/{cfg.linear_num_value_heads} heads of "
+        f"{cfg.linear_key_head_dim}, F: full attention {cfg.num_attention_heads}/"
+        f"{cfg.num_key_value_heads} heads of {cfg.head_dim}), hidden {cfg.hidden_size}, "
+        f"FFN {cfg.intermediate_size}, vocab {cfg.vocab_size}; one MTP layer trained over "
+        f"{args.mtp_steps} chained steps; {n_params / 1e6:.2f}M parameters "
+        f"({2 * n_params / 1e6:.1f} MB in bf16); {args.batch} x {args.seq_len} tokens per "
+        f"step, {compute_dtype} matmuls on {device.device_kind}"
+    )
+
+    # ---- compile both steps ahead of the loop, concurrently ----
+    t_compile = time.perf_counter()
+    lr0 = jnp.float32(0.0)
+    lowered = [
+        train_step.lower(trainer, master, opt_state, data, k_data, lr0),
+        eval_step.lower(trainer, master, jnp.asarray(held[: args.batch])),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+        train_compiled, eval_compiled = pool.map(lambda low: low.compile(), lowered)
+    t_compile = time.perf_counter() - t_compile
+    print(f"compiled the train and evaluation steps in {t_compile:.1f}s")
+    programs = dict(
+        train_step=program_report(train_compiled, device, "train step"),
+        eval_step=program_report(eval_compiled, device, "evaluation step"),
+    )
 
     # ---- train ----
     total = args.steps if args.steps is not None else epoch_cap
@@ -618,6 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     stopped_by_clock = False
     step = 0
     t_calib = None
+    seconds_per_step = None
     bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=2.0)
 
     def flush() -> None:
@@ -627,11 +800,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_eval(s: int) -> None:
         nonlocal best
-        m = evaluate_windows(trainer, master, held)
+        m = evaluate_windows(eval_compiled, trainer, master, held)
         heldout_curve.append({"step": s, **m})
-        score = m["main"] + args.mtp_weight * m["mtp"]
-        if score < best[0]:
-            best = (score, jax.device_get(master), s)
+        if m["loss"] < best[0]:
+            best = (m["loss"], jax.device_get(master), s)
         bar.set_postfix(held_main=f"{m['main']:.3f}", held_mtp=f"{m['mtp']:.3f}")
 
     while step < total:
@@ -639,26 +811,30 @@ def main(argv: list[str] | None = None) -> int:
             stopped_by_clock = True
             break
         lr = lr_at(step, total=total, warmup=args.warmup, peak=args.lr)
-        master, opt_state, metrics = trainer.train_step(
+        master, opt_state, metrics = train_compiled(
             master, opt_state, data, jax.random.fold_in(k_data, step), jnp.float32(lr)
         )
         pending.append((step, {**metrics, "lr": jnp.float32(lr)}))
         step += 1
         bar.update(1)
-        if calibrate and step == 3:
+        if step == 3:
             jax.block_until_ready(master)
             t_calib = time.perf_counter()
-        if calibrate and step == 23:
+        if step == 23:
             jax.block_until_ready(master)
-            per_step = (time.perf_counter() - t_calib) / 20
-            # Leave room for the periodic evaluations and the final save.
-            budget = deadline - time.perf_counter() - 20.0
-            fit = step + int(0.93 * budget / per_step)
-            total = max(step + 1, min(epoch_cap, fit))
-            eval_every = args.eval_every or max(1, total // 25)
-            bar.total = total
-            bar.refresh()
-            calibrate = False
+            seconds_per_step = (time.perf_counter() - t_calib) / 20
+            line = f"measured {seconds_per_step:.3f} s/step"
+            if calibrate:
+                # Leave room for the periodic evaluations and the final save.
+                budget = deadline - time.perf_counter() - 20.0
+                fit = step + int(0.93 * budget / seconds_per_step)
+                total = max(step + 1, min(epoch_cap, fit))
+                eval_every = args.eval_every or max(1, total // 25)
+                bar.total = total
+                bar.refresh()
+                calibrate = False
+                line += f": {total} steps planned, about {total * seconds_per_step:.0f}s"
+            tqdm.write(line)
         if len(pending) >= 10:
             flush()
         if step % eval_every == 0 or step == total:
@@ -672,20 +848,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- save the best held-out checkpoint ----
     _, best_master, best_step = best
-    target, head, mtp = trainer.unflatten([jnp.asarray(m) for m in best_master])
-    target, head, mtp = jax.device_get((target, head, mtp))
-    hf_io.save_hf(
-        out,
-        cfg=dataclasses.replace(tcfg, compute_dtype="float32"),
-        target=target,
-        head=head,
-        drafter=mtp,
-        extra_config=dict(
-            bos_token_id=tok.token_to_id(EOS),
-            eos_token_id=tok.token_to_id(EOS),
-            torch_dtype="bfloat16",
-        ),
-    )
+    params, head, mtp = jax.device_get(trainer.unflatten([jnp.asarray(m) for m in best_master]))
+    save_pair(out, config=config, cfg=cfg, params=params, head=head, mtp=mtp)
     weights_mb = (out / "model.safetensors").stat().st_size / 1e6
     tok_mb = (out / "tokenizer.json").stat().st_size / 1e6
 
@@ -696,9 +860,9 @@ def main(argv: list[str] | None = None) -> int:
         argv=sys.argv[1:] if argv is None else list(argv),
         seed=args.seed,
         backend=jax.default_backend(),
-        device=str(jax.devices()[0]),
+        device=str(device),
         compute_dtype=compute_dtype,
-        target_config=dataclasses.asdict(tcfg),
+        config=config,
         parameters=n_params,
         weights_mb=weights_mb,
         tokenizer_mb=tok_mb,
@@ -724,7 +888,11 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         weight_decay=args.weight_decay,
         mtp_weight=args.mtp_weight,
+        mtp_steps=args.mtp_steps,
         data_seconds=t_data,
+        compile_seconds=t_compile,
+        programs=programs,
+        seconds_per_step=seconds_per_step,
         train_seconds=t_train,
         saved_step=best_step,
         heldout_at_saved_step=at_best,

@@ -1,4 +1,5 @@
-"""The speculative generation loop on the shipped trained pair: greedy speculation equals plain
+"""The speculative generation loop on the shipped trained pair (its Qwen3.5-architecture hybrid
+target, Gated DeltaNet layers rolled back by snapshot selection): greedy speculation equals plain
 greedy decoding token for token on held-out code, for k = 1..4, with a BF16 and an FP8 drafter;
 sampling produces valid tokens; the loop traces once for any prompt lengths."""
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from mtpjax import demo, reference
+from mtpjax import demo, hybrid
 from mtpjax import generation as gen
 from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.drafter import supports_prefill
@@ -23,6 +24,7 @@ ASSETS = demo.ASSET_DIR
 T = 40  # padded prompt width
 N = 24  # new tokens per prompt
 MIN_PROMPTS = 50
+MAX_STEP = 5  # rows of the widest target step: k + 1 for k = 4
 
 
 # --------------------------------------------------------------------------------------------
@@ -30,9 +32,14 @@ MIN_PROMPTS = 50
 
 
 @pytest.fixture(scope="module")
-def pair():
-    tcfg, target, head, dcfg, drafter = reference.load_hf(ASSETS)
-    return dict(tcfg=tcfg, target=target, head=head, dcfg=dcfg, drafter=drafter)
+def pair(tmp_path_factory):
+    """The hybrid target and the shipped MTP head through the converter at BF16."""
+    tcfg = hybrid.HybridConfig.from_hf(ASSETS)
+    target, head = hybrid.load(ASSETS, cfg=tcfg)
+    out = tmp_path_factory.mktemp("converted") / "bf16"
+    convert(ASSETS, out, precision="bf16", progress=False)
+    dcfg, ckpt = load_drafter(out)
+    return dict(tcfg=tcfg, target=target, head=head, dcfg=dcfg, drafter=ckpt.modules[0])
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +96,9 @@ class CountingCalls:
 
 @pytest.fixture(scope="module")
 def target(pair):
-    """The reference target, its prefill and step wrapped to count their traces."""
-    model = gen.reference_target(pair["tcfg"], pair["target"], pair["head"])
+    """The hybrid target, its prefill and step wrapped to count their traces; its state keeps
+    GDN snapshots for the widest verify step of the tests."""
+    model = hybrid.target_model(pair["tcfg"], pair["target"], pair["head"], max_step=MAX_STEP)
     return gen.TargetModel(
         params=model.params,
         init_cache=model.init_cache,
@@ -378,7 +386,7 @@ def test_configs_and_implementation_errors(pair, target, prompts):
             implementation="gpu",
         )
     with pytest.raises(ValueError, match="unknown implementation 'gpu'; expected one of"):
-        gen.reference_target(pair["tcfg"], pair["target"], pair["head"], implementation="gpu")
+        hybrid.target_model(pair["tcfg"], pair["target"], pair["head"], implementation="gpu")
 
 
 def test_every_spelling_of_an_argument_shares_one_program(pair, target, prompts):
