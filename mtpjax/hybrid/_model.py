@@ -148,15 +148,17 @@ def init_state(
     return HybridState(layers=tuple(layers), base=jnp.full((B,), -1, jnp.int32))
 
 
-def _select(state: GdnState, j: jax.Array, K: int) -> tuple[jax.Array, jax.Array]:
+def _select(
+    state: GdnState, j: jax.Array, K: int, group: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Snapshot ``j`` [B] of each sequence: (conv history f32[..., B, K-1, C] = the K-1 conv
-    inputs up to it, recurrent f32[..., B, Hv, dk, dv]); leading dims of the state pass through."""
-    conv, rec = state.conv, state.recurrent
-    lead = conv.ndim - 3
+    inputs up to it, recurrent f32[..., B, Hv, dk, dv]). With ``group`` int32[] only that group
+    of the [G]-stacked state (gathered from the stack, no slice of it); by default the leading
+    dims of the state pass through."""
+    g = ... if group is None else group
+    b = jnp.arange(j.shape[0])
     rows = j[:, None] + 1 + jnp.arange(K - 1, dtype=jnp.int32)  # [B, K-1]
-    history = jnp.take_along_axis(conv, rows.reshape((1,) * lead + rows.shape + (1,)), axis=-2)
-    index = j.reshape((1,) * lead + j.shape + (1, 1, 1, 1))
-    return history, jnp.take_along_axis(rec, index, axis=lead + 1)[..., 0, :, :, :]
+    return state.conv[g, b[:, None], rows, :], state.recurrent[g, b, j, :, :, :]
 
 
 def _snapshot_index(state: HybridState, start: jax.Array) -> jax.Array:
@@ -236,19 +238,19 @@ def _gdn_output(p: GdnParams, o, z, cfg: HybridConfig, implementation: str) -> j
 
 
 def _attention_residual(lp, x, positions, kv_and_mask, cfg: HybridConfig, implementation: str):
-    """x + gated attention on x: f32[B, T, H]; ``kv_and_mask(k, v) -> (k_all, v_all, mask)``
-    decides what the T queries attend to (their own rows, or the cache after this step's rows
-    are written). Returns (x, (k_all, v_all))."""
+    """x + gated attention on x: f32[B, T, H]; ``kv_and_mask(k, v) -> ((k_all, v_all, mask),
+    kept)`` decides what the T queries attend to (their own rows, or the cache after this
+    step's rows are written) and what to keep. Returns (x, kept)."""
     cd = cfg.compute_dtype
     a = _norm(x, lp.input_layernorm, cfg).astype(cd)
     q, gate = project_q(lp.attention, a, positions, cfg, implementation=implementation)
     k, v = project_kv(lp.attention, a, positions, cfg, implementation=implementation)
-    k_all, v_all, mask = kv_and_mask(k, v)
+    (k_all, v_all, mask), kept = kv_and_mask(k, v)
     o = attend(q, k_all, v_all, mask)  # f32[B, T, Nq, D]
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
     out = output_projection(lp.attention, o.astype(cd), None, implementation=implementation)
-    return x + out, (k_all, v_all)
+    return x + out, kept
 
 
 def _ffn_residual(lp, x, layer: int, cfg: HybridConfig, implementation: str) -> jax.Array:
@@ -268,25 +270,31 @@ def _check_call(params: HybridParams, cfg: HybridConfig) -> None:
     check_params(params, cfg)
 
 
-def _scan_groups(params: HybridParams, carry, xs, slot: Callable, cfg: HybridConfig):
+def _scan_groups(params: HybridParams, x, state: tuple, slot: Callable, cfg: HybridConfig):
     """Runs the layers: a ``lax.scan`` over the G groups, the P slots unrolled in each.
 
-    ``slot(p, layer_params, x, slot_xs) -> (x, slot_out)`` runs slot ``p`` (layer ``g * P +
-    p``); ``xs`` is a tuple of per-slot inputs with a leading [G] axis (or None). Returns (x,
-    per-slot outputs with a leading [G] axis, the input of every layer f32[L, B, T, H]).
+    ``slot(p, layer_params, g, x, slot_state) -> (x, slot_state, slot_out)`` runs slot ``p``
+    of group ``g`` (layer ``g * P + p``; ``g`` int32[]). ``state`` is a tuple of per-slot
+    stacks with a leading [G] axis (or None entries), carried through the scan: a slot reads
+    group g's entry and writes only what it changes with indexed updates on the stack, which
+    XLA keeps in place in the loop (a donated state is never copied whole per step). Returns
+    (x, state, per-slot outputs with a leading [G] axis, the input of every layer f32[L, B, T,
+    H]).
     """
 
-    def body(x, group):
-        layers, slot_xs = group
-        outs, inputs = [], []
+    def body(carry, group):
+        x, state = carry
+        layers, g = group
+        state, outs, inputs = list(state), [], []
         for p in range(cfg.period):
             inputs.append(x)
-            x, out = slot(p, layers[p], x, None if slot_xs is None else slot_xs[p])
+            x, state[p], out = slot(p, layers[p], g, x, state[p])
             outs.append(out)
-        return x, (tuple(outs), jnp.stack(inputs))
+        return (x, tuple(state)), (tuple(outs), jnp.stack(inputs))
 
-    x, (outs, inputs) = jax.lax.scan(body, carry, (params.layers, xs))
-    return x, outs, inputs.reshape(-1, *inputs.shape[2:])
+    groups = (params.layers, jnp.arange(cfg.num_groups, dtype=jnp.int32))
+    (x, state), (outs, inputs) = jax.lax.scan(body, (x, state), groups)
+    return x, state, outs, inputs.reshape(-1, *inputs.shape[2:])
 
 
 # ------------------------------------------------------------------------------------------
@@ -311,12 +319,12 @@ def _prompt_stack(params, head, tokens, lengths, cfg: HybridConfig, implementati
     )
     history_rows = lengths[:, None] + jnp.arange(K - 1, dtype=jnp.int32)  # [B, K-1]
 
-    def slot(p, lp, x, _):
+    def slot(p, lp, g, x, st):
         if cfg.layer_types[p] is LayerType.FULL_ATTENTION:
             x, kv = _attention_residual(
-                lp, x, positions, lambda k, v: (k, v, mask), cfg, implementation
+                lp, x, positions, lambda k, v: ((k, v, mask), (k, v)), cfg, implementation
             )
-            return _ffn_residual(lp, x, p, cfg, implementation), kv
+            return _ffn_residual(lp, x, p, cfg, implementation), st, kv
         gdn = lp.linear_attn
         a = _norm(x, lp.input_layernorm, cfg)
         mixed, z, b, alpha = _gdn_inputs(gdn, a, cfg, implementation)
@@ -327,10 +335,11 @@ def _prompt_stack(params, head, tokens, lengths, cfg: HybridConfig, implementati
         x = x + _gdn_output(gdn, o, z, cfg, implementation)
         # The conv state after each length: its last K-1 inputs (xp row t + K-1 is input t).
         history = jnp.take_along_axis(xp, history_rows[:, :, None], axis=1)
-        return _ffn_residual(lp, x, p, cfg, implementation), (history, s)
+        return _ffn_residual(lp, x, p, cfg, implementation), st, (history, s)
 
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
-    return _scan_groups(params, x, None, slot, cfg)
+    x, _, outs, inputs = _scan_groups(params, x, (None,) * cfg.period, slot, cfg)
+    return x, outs, inputs
 
 
 @configs_by_name
@@ -462,19 +471,22 @@ def _step(params, head, state, tokens, start, *, cfg, implementation):
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S]
     batch_idx = jnp.arange(B)[:, None]
 
-    def slot(p, lp, x, st):
+    # ``st`` is a slot's whole [G]-stacked state, carried through the scan: group ``group``
+    # writes only its S KV rows, conv inputs and snapshots into it, in place.
+    def slot(p, lp, group, x, st):
         if isinstance(st, TargetCache):
-            mask = jnp.arange(st.k.shape[1])[None, None, :] <= positions[:, :, None]
+            mask = jnp.arange(st.k.shape[2])[None, None, :] <= positions[:, :, None]
 
             def write(k, v):
-                k_all = st.k.at[batch_idx, positions].set(k.astype(st.k.dtype), mode="drop")
-                v_all = st.v.at[batch_idx, positions].set(v.astype(st.v.dtype), mode="drop")
-                return k_all, v_all, mask
+                where = (group, batch_idx, positions)
+                k_all = st.k.at[where].set(k.astype(st.k.dtype), mode="drop")
+                v_all = st.v.at[where].set(v.astype(st.v.dtype), mode="drop")
+                return (k_all[group], v_all[group], mask), TargetCache(k=k_all, v=v_all)
 
-            x, (k_all, v_all) = _attention_residual(lp, x, positions, write, cfg, implementation)
-            return _ffn_residual(lp, x, p, cfg, implementation), TargetCache(k=k_all, v=v_all)
+            x, new = _attention_residual(lp, x, positions, write, cfg, implementation)
+            return _ffn_residual(lp, x, p, cfg, implementation), new, None
         gdn = lp.linear_attn
-        history, s0 = _select(st, j, K)
+        history, s0 = _select(st, j, K, group)
         a = _norm(x, lp.input_layernorm, cfg)
         mixed, z, b, alpha = _gdn_inputs(gdn, a, cfg, implementation)
         xp = jnp.concatenate([history, mixed], axis=1)  # [B, K-1+S, C]
@@ -482,12 +494,13 @@ def _step(params, head, state, tokens, start, *, cfg, implementation):
         o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
         x = x + _gdn_output(gdn, o, z, cfg, implementation)
         new = GdnState(
-            conv=st.conv.at[:, : K - 1 + S].set(xp), recurrent=st.recurrent.at[:, :S].set(states)
+            conv=st.conv.at[group, :, : K - 1 + S].set(xp),
+            recurrent=st.recurrent.at[group, :, :S].set(states),
         )
-        return _ffn_residual(lp, x, p, cfg, implementation), new
+        return _ffn_residual(lp, x, p, cfg, implementation), new, None
 
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
-    x, layers, _ = _scan_groups(params, x, state.layers, slot, cfg)
+    x, layers, _, _ = _scan_groups(params, x, state.layers, slot, cfg)
     return _norm(x, params.final_norm, cfg), HybridState(layers=layers, base=start)
 
 
