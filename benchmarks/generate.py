@@ -71,9 +71,10 @@ import numpy as np
 import mtpjax
 from benchmarks import harness
 from benchmarks import propose as bp
-from mtpjax import demo, reference
+from mtpjax import demo, hybrid, reference
 from mtpjax import drafter as drafter_lib
 from mtpjax import generation as gen
+from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.config import DrafterConfig, HiddenContract
 from mtpjax.head import init_lm_head, lm_head
 from mtpjax.verify import VerifyOutput, verify
@@ -885,7 +886,7 @@ def text_prompts(tcfg, batch: int, length: int, seed: int) -> tuple[jax.Array, j
 
 
 def check_exact(
-    target, drafter, head, tcfg, dcfg, prompts, lengths, *, ks, max_new_tokens, workers=1
+    target, forward, drafter, head, tcfg, dcfg, prompts, lengths, *, ks, max_new_tokens, workers=1
 ) -> list[dict]:
     """Greedy ``generate`` at each K against ``generate_baseline`` at width 1 and at width K+1
     (every program compiled first, ``workers`` at once).
@@ -924,7 +925,7 @@ def check_exact(
         new = [bt for bt in new if bt not in gaps]
         if new:
             gaps.update(
-                zip(new, top2_gaps(target, head, tcfg, prompts, width1.tokens, new), strict=True)
+                zip(new, top2_gaps(forward, head, tcfg, prompts, width1.tokens, new), strict=True)
             )
         rec["margin_at_first_difference"] = [
             gaps.get((b, int(f))) if f >= 0 else None for b, f in enumerate(first)
@@ -959,19 +960,31 @@ def first_difference(a, b) -> np.ndarray:
     return np.where(diff.any(axis=1), diff.argmax(axis=1), -1)
 
 
-def top2_gaps(target, head, tcfg, prompts, tokens, where) -> list[float]:
+def top2_gaps(forward, head, tcfg, prompts, tokens, where) -> list[float]:
     """The target's top-1 minus top-2 logit where token ``t`` of sequence ``b`` is predicted,
-    for each ``(b, t)`` in ``where``, from one full forward over the (full-length) prompts and
-    ``tokens`` [B, N]."""
-    layers = target.params[0]
+    for each ``(b, t)`` in ``where``, from one teacher-forced ``forward(seq) -> hidden f32[B', T',
+    H]`` over the (full-length) prompts and ``tokens`` [B, N]."""
     T = prompts.shape[1]
     rows = jnp.asarray([b for b, _ in where])
     seq = jnp.concatenate([prompts, jnp.asarray(tokens)[:, :-1]], axis=1)[rows]
-    hidden = reference.target_forward(layers, head, seq, cfg=tcfg)
+    hidden = forward(seq)
     h = hidden[jnp.arange(len(where)), jnp.asarray([T - 1 + t for _, t in where])]
     logits = lm_head(head, h, cfg=tcfg.lm_head_config()).astype(jnp.float32)
     top = jax.lax.top_k(logits, 2)[0]
     return [float(x) for x in np.asarray(top[:, 0] - top[:, 1])]
+
+
+def shipped_pair(max_step: int):
+    """The shipped pair: its hybrid target (GDN snapshots for ``max_step`` rows), the MTP head
+    through the converter at BF16, and the target's teacher-forced forward."""
+    tcfg = hybrid.HybridConfig.from_hf(demo.ASSET_DIR)
+    params, head = hybrid.load(demo.ASSET_DIR, cfg=tcfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        convert(demo.ASSET_DIR, Path(tmp) / "mtp", precision="bf16", progress=False)
+        dcfg, ckpt = load_drafter(Path(tmp) / "mtp")
+    target = hybrid.target_model(tcfg, params, head, max_step=max_step)
+    forward = functools.partial(hybrid.forward, params, head, cfg=tcfg)
+    return tcfg, target, head, dcfg, ckpt.modules[0], lambda seq: forward(seq)[0]
 
 
 def section_exact(child) -> None:
@@ -981,7 +994,7 @@ def section_exact(child) -> None:
             child.emit(dict(kind="skipped", what=f"exact {model}", reason="over the budget"))
             continue
         if model == "pair":
-            tcfg, layers, head, dcfg, drafter = reference.load_hf(demo.ASSET_DIR)
+            tcfg, target, head, dcfg, drafter, forward = shipped_pair(max(o.ks) + 1)
             prompts, lengths, source = text_prompts(tcfg, o.exact_batch, o.exact_prompt_len, o.seed)
         else:
             setup = build_setup(layers=o.layers, heads=["bf16"], smoke=child.smoke, seed=o.seed)
@@ -992,9 +1005,11 @@ def section_exact(child) -> None:
                 o.exact_batch, o.exact_prompt_len, tcfg.vocab_size, o.seed
             )
             source = "random"
-        target = gen.reference_target(tcfg, layers, head)
+            target = gen.reference_target(tcfg, layers, head)
+            forward = functools.partial(reference.target_forward, layers, head, cfg=tcfg)
         for rec in check_exact(
             target,
+            forward,
             drafter,
             head,
             tcfg,

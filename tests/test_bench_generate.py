@@ -5,6 +5,7 @@ exactness check at tiny shapes, and the command-buffer options (GPU only)."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 
 import jax
@@ -14,6 +15,8 @@ import pytest
 
 from benchmarks import generate as bg
 from benchmarks import propose as bp
+from mtpjax import hybrid, reference
+from mtpjax.head import lm_head
 
 # The smoke run's shapes (SMOKE_DEFAULTS): the exactness check below reuses its programs.
 B, T, N, KS = 4, 8, 40, (1, 2)
@@ -155,8 +158,9 @@ def test_exact_check_at_tiny_shapes():
     target, head = setup.target("bf16"), setup.heads["bf16"]
     prompts, lengths = bg.random_prompts(B, T, setup.head_cfg.vocab_size, 3)
     k = bp.center(list(KS))
+    forward = functools.partial(reference.target_forward, setup.layers, head, cfg=setup.tcfg)
     (rec,) = bg.check_exact(
-        target, setup.drafter, head, setup.tcfg, setup.dcfg, prompts, lengths, ks=[k],
+        target, forward, setup.drafter, head, setup.tcfg, setup.dcfg, prompts, lengths, ks=[k],
         max_new_tokens=N,
     )  # fmt: skip
     assert rec["k"] == k and rec["batch"] == B and rec["new_tokens"] == N
@@ -169,8 +173,24 @@ def test_exact_check_at_tiny_shapes():
         assert (margin is None) == (first < 0) and (margin is None or margin >= 0)
     # The gap where a token is predicted: teacher-forced over any continuation.
     tokens = np.asarray(bg.random_prompts(B, N, setup.head_cfg.vocab_size, 4)[0])
-    gaps = bg.top2_gaps(target, head, setup.tcfg, prompts, tokens, [(0, 0), (2, 5)])
+    gaps = bg.top2_gaps(forward, head, setup.tcfg, prompts, tokens, [(0, 0), (2, 5)])
     assert len(gaps) == 2 and all(np.isfinite(g) and g >= 0 for g in gaps)
+
+
+def test_shipped_pair_gaps_come_from_its_hybrid_forward():
+    """The exactness section's shipped pair: the hybrid target with snapshots for the widest
+    step, its converted head, and gaps from the teacher-forced forward's own logits."""
+    tcfg, target, head, dcfg, drafter, forward = bg.shipped_pair(3)
+    assert target.init_cache.max_step == 3 and dcfg.vocab_size == tcfg.vocab_size
+    assert drafter.fc.in_features == 2 * tcfg.hidden_size
+    prompts, _, _ = bg.text_prompts(tcfg, 2, 8, seed=0)
+    tokens = np.asarray(bg.random_prompts(2, 4, tcfg.vocab_size, 1)[0])
+    (gap,) = bg.top2_gaps(forward, head, tcfg, prompts, tokens, [(1, 2)])
+    seq = jnp.concatenate([prompts[1], jnp.asarray(tokens[1, :2])])[None]
+    logits = np.asarray(lm_head(head, forward(seq)[0, -1], cfg=tcfg.lm_head_config()))
+    top = np.sort(logits)[::-1]
+    # The shorter sequence's forward sums in another order (XLA:CPU: ~1e-7 of the logits).
+    assert gap == pytest.approx(float(top[0] - top[1]), abs=1e-5 * float(np.abs(top[0])))
 
 
 def test_init_target_has_reference_init_s_layout_and_scales():
@@ -209,9 +229,7 @@ def test_first_difference():
 
 
 def test_text_prompts_are_heldout_windows():
-    from mtpjax import reference
-
-    tcfg = reference.TargetConfig.from_hf_config(bg.demo.ASSET_DIR)
+    tcfg = hybrid.HybridConfig.from_hf(bg.demo.ASSET_DIR)
     prompts, lengths, source = bg.text_prompts(tcfg, 3, 16, seed=0)
     assert source == "heldout" and prompts.shape == (3, 16)
     np.testing.assert_array_equal(lengths, 16)
