@@ -1,6 +1,7 @@
 """The speculative generation loop on the shipped trained pair (its Qwen3.5-architecture hybrid
 target, Gated DeltaNet layers rolled back by snapshot selection): greedy speculation equals plain
-greedy decoding token for token on held-out code, for k = 1..4, with a BF16 and an FP8 drafter;
+greedy decoding token for token on held-out code, for k = 1..4 with a BF16 drafter and k = 1, 4
+with an FP8 one;
 sampling produces valid tokens; the loop traces once for any prompt lengths."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pallas_kernels.implementation import Implementation
 ASSETS = demo.ASSET_DIR
 T = 40  # padded prompt width
 N = 24  # new tokens per prompt
-MIN_PROMPTS = 50
+MIN_PROMPTS = 16
 MAX_STEP = 5  # rows of the widest target step: k + 1 for k = 4
 
 
@@ -56,7 +57,7 @@ def tokenizer():
     return Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
 
 
-def heldout_prompts(tokenizer, *, per_file: int = 3, width: int = T, seed: int = 0):
+def heldout_prompts(tokenizer, *, per_file: int = 1, width: int = T, seed: int = 0):
     """Windows of held-out stdlib files, ragged lengths 6..width: (int32[B, width], int32[B])."""
     rng = np.random.default_rng(seed)
     rows = []
@@ -137,8 +138,11 @@ def common_eos(tokenizer) -> int:
 # Exactness.
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+# Every k with the BF16 drafter; the FP8 drafter (whose prompt rows go through propose) at the
+# smallest and the widest window, the latter with an eos that stops some sequences early.
+@pytest.mark.parametrize(
+    "k, precision", [(1, "bf16"), (2, "bf16"), (3, "bf16"), (4, "bf16"), (1, "fp8"), (4, "fp8")]
+)
 def test_greedy_speculation_equals_plain_greedy(
     pair, fp8, target, prompts, baseline, tokenizer, k, precision
 ):
