@@ -331,6 +331,26 @@ def test_missing_manifest_fields_and_records_are_named(tmp_path, converted):
         load_drafter(out)
 
 
+def test_a_twin_record_must_name_a_stored_tensor_of_its_bytes(tmp_path, converted):
+    """``same_as`` (a tensor stored once under another record) pointing nowhere, at another
+    twin, or at a tensor of other bytes is named, never loaded as some other tensor."""
+    out = copy(converted, tmp_path, "out")
+    file = out / "manifest.json"
+    manifest = json.loads(file.read_text())
+    assert not any(t["same_as"] for t in manifest["tensors"])  # untied: nothing stored twice
+    for twin in ("mtp.nothing", "head.embedding"):  # absent; stored, but other bytes
+        broken = json.loads(json.dumps(manifest))
+        record = next(t for t in broken["tensors"] if t["name"] == "head.weight")
+        record["same_as"] = twin
+        file.write_text(json.dumps(broken))
+        with pytest.raises(CheckpointError) as err:
+            load_drafter(out)
+        assert one_line(err) == (
+            f"{file}: tensor 'head.weight' is recorded as stored under {twin!r}, which is not a "
+            "stored tensor of the same dtype, shape and sha256; convert the checkpoint again"
+        )
+
+
 def test_a_record_that_disagrees_with_the_config_is_named(tmp_path, converted):
     out = copy(converted, tmp_path, "out")
     file = out / "manifest.json"

@@ -326,6 +326,14 @@ def test_qwen_layouts_keep_is_bit_exact(tmp_path, case):
         assert manifest.tensor("head.weight").sources == (
             "model.language_model.embed_tokens.weight",
         )
+        # Kept at the embedding's BF16, the head is the embedding's bytes: stored once.
+        record = manifest.tensor("head.weight")
+        assert record.same_as == "head.embedding"
+        table = manifest.tensor("head.embedding")
+        assert table.same_as is None and record.group == table.group
+        assert record.sha256["w"] == table.sha256["value"]
+        np.testing.assert_array_equal(np.asarray(got.head.weight.w), np.asarray(got.head.embedding))
+    assert sum(r.same_as is not None for r in manifest.tensors) == int(bool(kw.get("tied")))
     if cfg.num_mtp_modules > 1:
         # Qwen modules share fc and the norms; each has its own layer.
         a, b = got.modules

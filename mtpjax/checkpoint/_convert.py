@@ -75,7 +75,7 @@ __all__ = [
     "convert",
 ]
 
-FORMAT_VERSION = 2  # 2: per-leaf sha256 in every tensor record
+FORMAT_VERSION = 3  # 2: per-leaf sha256 in every tensor record; 3: a tied head stored once
 MANIFEST_FILE = "manifest.json"
 PARAMS_DIR = "params"
 QUANT_CONFIG_FILE = "hf_quant_config.json"
@@ -103,6 +103,8 @@ class TensorRecord:
       leaves: each stored leaf's ``(dtype name, shape)``.
       group: the orbax checkpoint under ``params/`` that holds it.
       sha256: each stored leaf's ``content_hash``, checked by ``load_drafter(verify=True)``.
+      same_as: the earlier record whose one stored leaf equals this one's one leaf bit for bit
+        (a tied head kept at the embedding's BF16): the leaf is stored once, under that record.
     """
 
     name: str
@@ -114,6 +116,7 @@ class TensorRecord:
     leaves: Mapping[str, tuple[str, tuple[int, ...]]]
     group: str = ""
     sha256: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    same_as: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -132,6 +135,7 @@ class TensorRecord:
             leaves={k: (v["dtype"], tuple(v["shape"])) for k, v in data["leaves"].items()},
             group=data["group"],
             sha256=dict(data["sha256"]),
+            same_as=data["same_as"],
         )
 
 
@@ -359,7 +363,8 @@ class _GroupWriter:
 
     Orbax copies every array it saves; saving a group at a time (and dropping it) bounds the
     process to about twice one group (or twice the largest tensor), instead of every kept
-    tensor twice over.
+    tensor twice over. A one-leaf tensor equal to one already written (a tied head at the
+    embedding's precision) is recorded ``same_as`` that one and not written again.
     """
 
     def __init__(self, directory: Path, budget: int) -> None:
@@ -367,6 +372,7 @@ class _GroupWriter:
         self.pending: dict[str, dict[str, Any]] = {}
         self.pending_bytes = 0
         self.count = 0
+        self.one_leaf: dict[tuple, TensorRecord] = {}  # (dtype, shape, sha256) -> its record
 
     @property
     def group(self) -> str:
@@ -377,7 +383,16 @@ class _GroupWriter:
         its reference, so a large tensor is held only while orbax writes it)."""
         leaves = _stored_leaves(value)
         hashes = {k: content_hash(v) for k, v in leaves.items()}
+        if len(leaves) == 1:
+            ((leaf, a),) = leaves.items()
+            key = (*_leaf_record(a), hashes[leaf])
+            if (twin := self.one_leaf.get(key)) is not None:
+                return dataclasses.replace(
+                    record, group=twin.group, sha256=hashes, same_as=twin.name
+                )
         record = dataclasses.replace(record, group=self.group, sha256=hashes)
+        if len(leaves) == 1:
+            self.one_leaf[key] = record
         self.pending[record.name] = leaves
         self.pending_bytes += sum(np.asarray(v).nbytes for v in leaves.values())
         if self.pending_bytes >= self.budget:

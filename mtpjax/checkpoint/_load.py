@@ -178,6 +178,23 @@ def _verify(path: Path, record: TensorRecord, leaves: Mapping[str, jax.Array]) -
             )
 
 
+def _check_twin(manifest: Path, record: TensorRecord, twin: TensorRecord | None) -> None:
+    """A ``same_as`` record names a stored one-leaf tensor of its own dtype, shape and sha256."""
+    ok = (
+        twin is not None
+        and twin.same_as is None
+        and len(record.leaves) == len(twin.leaves) == 1
+        and list(record.leaves.values()) == list(twin.leaves.values())
+        and list(record.sha256.values()) == list(twin.sha256.values())
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{manifest}: tensor {record.name!r} is recorded as stored under {record.same_as!r}, "
+            "which is not a stored tensor of the same dtype, shape and sha256; convert the "
+            "checkpoint again"
+        )
+
+
 def _check_described(manifest: Path, cfg: DrafterConfig, abstract: Mapping[str, Any]) -> None:
     """Every leaf the drafter's description of ``cfg`` names is recorded at its logical shape
     (KeyError for a missing record)."""
@@ -250,10 +267,21 @@ def load_drafter(
     }
     groups = {r.name: r.group for r in manifest.tensors}
     _check_files(path, manifest.files)
-    restored = _restore(path / PARAMS_DIR, target, groups)
+    twins = {r.name: r for r in manifest.tensors if r.same_as is not None}
+    records = {r.name: r for r in manifest.tensors}
+    for record in twins.values():
+        _check_twin(path / MANIFEST_FILE, record, records.get(record.same_as))
+    stored = {name: t for name, t in target.items() if name not in twins}
+    restored = _restore(path / PARAMS_DIR, stored, groups)
+    for name, record in twins.items():
+        # Stored once, under its twin: placed where this tensor's own leaf goes.
+        ((leaf, spec),) = target[name].items()
+        (value,) = restored[record.same_as].values()
+        restored[name] = {leaf: jax.device_put(value, spec.sharding)}
     if verify:
         for record in manifest.tensors:
-            _verify(path, record, restored[record.name])
+            if record.name not in twins:  # a twin's bytes are its stored twin's, checked there
+                _verify(path, record, restored[record.name])
     named = {r.name: _build(r, restored[r.name]) for r in manifest.tensors}
     if cfg.runnable:
         return cfg, assemble(named, cfg)
