@@ -12,10 +12,11 @@ in its own subpackage:
     mtpjax.head        the target LM head and embedding (replicated and vocab-parallel)
     mtpjax.verify      the verify step; its modules accept (the rule) and metrics (vLLM's)
     mtpjax.checkpoint  Hugging Face checkpoint conversion and load_drafter
+    mtpjax.target_model  TargetModel: what generation needs of a target (params, 3 callables)
     mtpjax.generation  speculative generation (one while_loop) and the plain baseline
     mtpjax.pretrained  a Qwen3.5 / Qwen3-Next Hugging Face directory loaded for generate
     mtpjax.hybrid      the Qwen3.5 / Qwen3-Next target (Gated DeltaNet + full attention)
-    mtpjax.reference   the reference full-attention target used by the demo and the tests
+    mtpjax.reference   the full-attention reference target (benchmarks, tests)
 
 The verify step is `mtpjax.verify.verify` and the acceptance rule `mtpjax.accept`.
 """

@@ -34,8 +34,8 @@ from mtpjax import hybrid
 from mtpjax.checkpoint import FORMAT_VERSION, MANIFEST_FILE, CheckpointError, convert, load_drafter
 from mtpjax.config import DrafterConfig, LMHeadConfig, _ConfigView, check_int, load_hf_config
 from mtpjax.drafter import DrafterParams
-from mtpjax.generation import TargetModel
 from mtpjax.head import LMHeadParams
+from mtpjax.target_model import TargetModel
 from pallas_kernels.implementation import Implementation
 
 __all__ = [

@@ -55,7 +55,6 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.config import check_int, configs_by_name
-from mtpjax.generation import TargetModel
 from mtpjax.head import LMHeadParams, embed
 from mtpjax.hybrid._config import GdnLayout, HybridConfig, LayerType
 from mtpjax.hybrid._delta import causal_conv, chunked_delta_rule, l2_normalize, recurrent_delta_rule
@@ -63,6 +62,7 @@ from mtpjax.hybrid._params import GdnParams, HybridParams, check_params, layer_v
 from mtpjax.layers import attend, output_projection, project_kv, project_q, rms_norm
 from mtpjax.layers.decoder import apply_ffn
 from mtpjax.reference import TargetCache
+from mtpjax.target_model import TargetModel
 from mtpjax.weights import linear
 from pallas_kernels.implementation import Implementation
 
