@@ -480,7 +480,7 @@ class DrafterConfig(KeywordOnly):
         Raises ValueError naming the key for an unknown ``model_type``, a missing or mistyped
         key, inconsistent values, or a config that declares no MTP module.
         """
-        view = _ConfigView(load_hf_config(config))
+        view = ConfigView(load_hf_config(config))
         model_type = view.model_type()
         parse = _DRAFTER_PARSERS.get(model_type)
         if parse is None:
@@ -579,7 +579,7 @@ class LMHeadConfig(KeywordOnly):
         f32_logits: bool = True,
     ) -> LMHeadConfig:
         """Build from any causal-LM ``config.json`` (nested ``text_config`` is followed)."""
-        view = _ConfigView(load_hf_config(config))
+        view = ConfigView(load_hf_config(config))
         hidden = view.get_int("hidden_size", minimum=1)
         softcap = view.optional_float("final_logit_softcapping")
         scale = view.optional_float("embedding_multiplier")
@@ -630,7 +630,7 @@ def _check_str(key: str, value: Any) -> None:
         raise fail(key, value, "a string")
 
 
-class _ConfigView:
+class ConfigView:
     """Typed look-ups over a HF config; multimodal configs nest the LM under ``text_config``.
 
     Keys are looked up in ``text_config`` first, then at the top level (where Qwen3.5 keeps
@@ -725,7 +725,7 @@ class _ConfigView:
         return "default"
 
 
-def _fp8_block_size(view: _ConfigView) -> tuple[int, int] | None:
+def _fp8_block_size(view: ConfigView) -> tuple[int, int] | None:
     quant = view.raw("quantization_config")
     if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
         return None
@@ -739,14 +739,14 @@ def _fp8_block_size(view: _ConfigView) -> tuple[int, int] | None:
     return (block[0], block[1])
 
 
-def _mtp_count(view: _ConfigView, key: str, *, default: int | None = None) -> int:
+def _mtp_count(view: ConfigView, key: str, *, default: int | None = None) -> int:
     count = view.get_int(key, minimum=0, default=default)
     if count < 1:
         raise fail(key, count, "at least 1 MTP module to build a drafter from")
     return count
 
 
-def _attention(view: _ConfigView, *, rotary_default: float) -> dict[str, Any]:
+def _attention(view: ConfigView, *, rotary_default: float) -> dict[str, Any]:
     """Fields every family reads alike, with the plain layer (non-zero-centred norms, no output
     gate, ``concat[norm(e), norm(h)]``) that all but the Qwen family keep."""
     hidden = view.get_int("hidden_size", minimum=1)
@@ -780,7 +780,7 @@ def _attention(view: _ConfigView, *, rotary_default: float) -> dict[str, Any]:
     )
 
 
-def _qwen_moe(view: _ConfigView, *, norm_topk_prob: bool) -> MoeConfig:
+def qwen_moe_config(view: ConfigView, *, norm_topk_prob: bool) -> MoeConfig:
     return MoeConfig(
         num_experts=view.get_int("num_experts", minimum=1),
         num_experts_per_tok=view.get_int("num_experts_per_tok", minimum=1),
@@ -792,7 +792,7 @@ def _qwen_moe(view: _ConfigView, *, norm_topk_prob: bool) -> MoeConfig:
     )
 
 
-def _qwen_common(view: _ConfigView) -> dict[str, Any]:
+def _qwen_common(view: ConfigView) -> dict[str, Any]:
     # Qwen3-Next's config has no attn_output_gate key but its attention is always gated;
     # Qwen3.5 states it. HF defaults partial_rotary_factor to 0.25 for both.
     return dict(
@@ -804,7 +804,7 @@ def _qwen_common(view: _ConfigView) -> dict[str, Any]:
     )
 
 
-def _parse_qwen3_next(view: _ConfigView, model_type: str) -> dict[str, Any]:
+def _parse_qwen3_next(view: ConfigView, model_type: str) -> dict[str, Any]:
     # Every published Qwen3-Next layer, the MTP one included, is MoE (decoder_sparse_step=1).
     # As in the HF decoder layer, `num_experts: 0` makes every layer a dense SwiGLU MLP (the
     # project's own tiny pair uses that). The published configs omit num_nextn_predict_layers
@@ -822,12 +822,12 @@ def _parse_qwen3_next(view: _ConfigView, model_type: str) -> dict[str, Any]:
     else:
         fields.update(
             ffn=FfnKind.MOE,
-            moe=_qwen_moe(view, norm_topk_prob=view.get_bool("norm_topk_prob", default=True)),
+            moe=qwen_moe_config(view, norm_topk_prob=view.get_bool("norm_topk_prob", default=True)),
         )
     return fields
 
 
-def _parse_qwen3_5(view: _ConfigView, model_type: str) -> dict[str, Any]:
+def _parse_qwen3_5(view: ConfigView, model_type: str) -> dict[str, Any]:
     fields = dict(
         _qwen_common(view),
         architecture=Architecture.QWEN3_5,
@@ -835,7 +835,7 @@ def _parse_qwen3_5(view: _ConfigView, model_type: str) -> dict[str, Any]:
     )
     if "moe" in model_type:
         # The Qwen3.5 MoE router always renormalises its top-k; the config has no switch.
-        fields.update(ffn=FfnKind.MOE, moe=_qwen_moe(view, norm_topk_prob=True))
+        fields.update(ffn=FfnKind.MOE, moe=qwen_moe_config(view, norm_topk_prob=True))
     else:
         fields.update(
             ffn=FfnKind.DENSE, intermediate_size=view.get_int("intermediate_size", minimum=1)
@@ -843,7 +843,7 @@ def _parse_qwen3_5(view: _ConfigView, model_type: str) -> dict[str, Any]:
     return fields
 
 
-def _scoring(view: _ConfigView, *, default: str) -> RouterScoring:
+def _scoring(view: ConfigView, *, default: str) -> RouterScoring:
     name = view.get_str("scoring_func", default=default)
     try:
         return RouterScoring(name)
@@ -851,7 +851,7 @@ def _scoring(view: _ConfigView, *, default: str) -> RouterScoring:
         raise fail("scoring_func", name, "'softmax' or 'sigmoid'") from None
 
 
-def _sigmoid_moe(view: _ConfigView, *, experts_key: str, correction_bias: bool) -> MoeConfig:
+def _sigmoid_moe(view: ConfigView, *, experts_key: str, correction_bias: bool) -> MoeConfig:
     intermediate = view.get_int("moe_intermediate_size", minimum=1)
     return MoeConfig(
         num_experts=view.get_int(experts_key, minimum=1),
@@ -867,7 +867,7 @@ def _sigmoid_moe(view: _ConfigView, *, experts_key: str, correction_bias: bool) 
     )
 
 
-def _parse_deepseek_v3(view: _ConfigView, model_type: str) -> dict[str, Any]:
+def _parse_deepseek_v3(view: ConfigView, model_type: str) -> dict[str, Any]:
     q_lora = view.raw("q_lora_rank")
     mla = MlaConfig(
         q_lora_rank=None if q_lora is None else view.get_int("q_lora_rank", minimum=1),
@@ -896,7 +896,7 @@ def _parse_deepseek_v3(view: _ConfigView, model_type: str) -> dict[str, Any]:
     )
 
 
-def _parse_glm4_moe(view: _ConfigView, model_type: str) -> dict[str, Any]:
+def _parse_glm4_moe(view: ConfigView, model_type: str) -> dict[str, Any]:
     # GLM-4.5 routes like DeepSeek-V3 (sigmoid, e_score_correction_bias) without saying so in
     # its config. Its HF class default for partial_rotary_factor is 0.5.
     experts_key = "n_routed_experts" if view.has("n_routed_experts") else "num_experts"
@@ -912,7 +912,7 @@ def _parse_glm4_moe(view: _ConfigView, model_type: str) -> dict[str, Any]:
     )
 
 
-def _parse_mimo(view: _ConfigView, model_type: str) -> dict[str, Any]:
+def _parse_mimo(view: ConfigView, model_type: str) -> dict[str, Any]:
     # A Qwen2 decoder layer: dense SwiGLU, q/k/v bias always on, full-width RoPE.
     return dict(
         _attention(view, rotary_default=1.0),
@@ -927,7 +927,7 @@ def _parse_mimo(view: _ConfigView, model_type: str) -> dict[str, Any]:
     )
 
 
-def _parse_minimax_m2(view: _ConfigView, model_type: str) -> dict[str, Any]:
+def _parse_minimax_m2(view: ConfigView, model_type: str) -> dict[str, Any]:
     if not view.get_bool("use_mtp", default=False):
         raise fail("use_mtp", view.raw("use_mtp"), "true to build a drafter (no MTP declared)")
     fields = _attention(view, rotary_default=1.0)

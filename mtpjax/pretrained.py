@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from mtpjax import hybrid
 from mtpjax.checkpoint import FORMAT_VERSION, MANIFEST_FILE, CheckpointError, convert, load_drafter
-from mtpjax.config import DrafterConfig, LMHeadConfig, _ConfigView, check_int, load_hf_config
+from mtpjax.config import ConfigView, DrafterConfig, LMHeadConfig, check_int, load_hf_config
 from mtpjax.drafter import DrafterParams
 from mtpjax.head import LMHeadParams
 from mtpjax.target_model import TargetModel
@@ -148,7 +148,7 @@ class Pretrained:
 
 
 def _eos_id(raw: dict[str, Any]) -> int | None:
-    eos = _ConfigView(raw).raw("eos_token_id")
+    eos = ConfigView(raw).raw("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     return eos if isinstance(eos, int) and not isinstance(eos, bool) else None

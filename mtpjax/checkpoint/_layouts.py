@@ -170,7 +170,7 @@ def _check_present(entries: Sequence[Entry], names: set[str], source: str) -> No
 # The target's embedding, LM head and final norm.
 
 
-def _text_prefix(names: set[str]) -> str:
+def text_prefix(names: set[str]) -> str:
     for prefix in ("model.language_model.", "model."):
         if prefix + "embed_tokens.weight" in names:
             return prefix
@@ -181,7 +181,7 @@ def _text_prefix(names: set[str]) -> str:
 
 
 def _head_entries(cfg: DrafterConfig, names: set[str], source: str) -> tuple[list[Entry], bool]:
-    text = _text_prefix(names)
+    text = text_prefix(names)
     V, H = cfg.vocab_size, cfg.hidden_size
     embed = text + "embed_tokens.weight"
     lm_head = "lm_head.weight"

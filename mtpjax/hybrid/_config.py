@@ -26,18 +26,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpjax.config import (
+    ConfigView,
     FfnKind,
     KeywordOnly,
     LMHeadConfig,
     MoeConfig,
-    _ConfigView,
-    _qwen_moe,
     check_bool,
     check_enum,
     check_float,
     check_int,
     fail,
     load_hf_config,
+    qwen_moe_config,
 )
 
 __all__ = ["GdnLayout", "HybridConfig", "LayerType"]
@@ -247,7 +247,7 @@ class HybridConfig(KeywordOnly):
         default to transformers' (kernel 4, 16 key / 32 value heads of 128) when absent.
         Raises ValueError naming the key for anything this model does not run.
         """
-        view = _ConfigView(load_hf_config(config))
+        view = ConfigView(load_hf_config(config))
         model_type = view.model_type()
         layout = _LAYOUTS.get(model_type)
         if layout is None:
@@ -339,7 +339,7 @@ class HybridConfig(KeywordOnly):
         return cls(**fields)
 
 
-def _layer_types(view: _ConfigView, L: int) -> tuple[LayerType, ...]:
+def _layer_types(view: ConfigView, L: int) -> tuple[LayerType, ...]:
     raw = view.raw("layer_types")
     if raw is None:
         interval = view.get_int("full_attention_interval", minimum=1, default=4)
@@ -359,7 +359,7 @@ def _layer_types(view: _ConfigView, L: int) -> tuple[LayerType, ...]:
     return tuple(out)
 
 
-def _ffns(view: _ConfigView, model_type: str, L: int) -> dict[str, Any]:
+def _ffns(view: ConfigView, model_type: str, L: int) -> dict[str, Any]:
     """ffn_kinds, intermediate_size and moe, as transformers decides each layer's FFN."""
 
     def dense() -> dict[str, Any]:
@@ -369,7 +369,7 @@ def _ffns(view: _ConfigView, model_type: str, L: int) -> dict[str, Any]:
         if "moe" not in model_type:
             return dict(dense(), ffn_kinds=(FfnKind.DENSE,) * L)
         # The Qwen3.5 MoE router always renormalises its top-k; the config has no switch.
-        return dict(ffn_kinds=(FfnKind.MOE,) * L, moe=_qwen_moe(view, norm_topk_prob=True))
+        return dict(ffn_kinds=(FfnKind.MOE,) * L, moe=qwen_moe_config(view, norm_topk_prob=True))
     experts = view.get_int("num_experts", default=512)  # transformers' Qwen3-Next default
     step = view.get_int("decoder_sparse_step", minimum=1, default=1)
     only = view.raw("mlp_only_layers", [])
@@ -384,5 +384,5 @@ def _ffns(view: _ConfigView, model_type: str, L: int) -> dict[str, Any]:
         fields.update(dense())
     if FfnKind.MOE in kinds:
         norm = view.get_bool("norm_topk_prob", default=True)
-        fields["moe"] = _qwen_moe(view, norm_topk_prob=norm)
+        fields["moe"] = qwen_moe_config(view, norm_topk_prob=norm)
     return fields

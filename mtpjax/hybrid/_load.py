@@ -42,7 +42,7 @@ from mtpjax.checkpoint._formats import (
     read_embedding,
     read_native,
 )
-from mtpjax.checkpoint._layouts import _text_prefix
+from mtpjax.checkpoint._layouts import text_prefix
 from mtpjax.head import LMHeadParams, from_arrays
 from mtpjax.hybrid._config import HybridConfig
 from mtpjax.hybrid._params import HybridParams, from_named, model_leaves
@@ -59,7 +59,7 @@ class _Reader:
     def __init__(self, ckpt: SafetensorsCheckpoint, directory: Path) -> None:
         self.ckpt = ckpt
         self.where = directory
-        self.text = _text_prefix(set(ckpt.names))
+        self.text = text_prefix(set(ckpt.names))
 
     def _fail(self, name: str, found: Any, leaf: Leaf, shape: tuple[int, ...] | None = None):
         want = list(leaf.shape if shape is None else shape)
