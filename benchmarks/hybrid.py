@@ -440,6 +440,9 @@ _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 #: Kernels named by a library rather than by their HLO op (cuBLAS, CUTLASS, Pallas GEMVs).
 _MATMUL_KERNEL = re.compile(r"gemv|gemm|xmma|cutlass|mosaic|cublas", re.IGNORECASE)
+# Device-to-device copies XLA inserts (no HLO op in the trace): at these shapes, a layer's
+# weights sliced out of the stacked parameters before a custom call reads them.
+_COPY_KERNEL = re.compile(r"memcpy", re.IGNORECASE)
 
 
 def hlo_sources(text: str) -> dict[str, list[tuple[str, str, int]]]:
@@ -546,6 +549,15 @@ def categorize(stack: list[tuple[str, str, int]]) -> tuple[str, tuple[str, str, 
     return "other", None
 
 
+def unmapped_category(kernel: str) -> str:
+    """The category of a kernel the trace ties to no HLO op, from its name."""
+    if _COPY_KERNEL.search(kernel):
+        return "copies (no HLO op)"
+    if _MATMUL_KERNEL.search(kernel):
+        return "matmuls (no HLO op)"
+    return "unattributed"
+
+
 def profile_step(compiled, params, head, state, tokens, where, *, calls: int, top: int):
     """Kernel time per call of ``compiled`` under ``jax.profiler``, by category and by source
     line, with the ``top`` kernels. Returns (record fields, the last state)."""
@@ -590,10 +602,8 @@ def profile_step(compiled, params, head, state, tokens, where, *, calls: int, to
         stack = sources.get(op) or sources.get(op.replace(".", "_").replace("-", "_"))
         if stack:
             r["category"], frame = categorize(stack)
-        elif _MATMUL_KERNEL.search(r["kernel"]):
-            r["category"] = "matmuls (no HLO op)"
         else:
-            r["category"] = "unattributed"
+            r["category"] = unmapped_category(r["kernel"])
         cats[r["category"]] += r["us_per_call"]
         if stack:
             mapped += r["us_per_call"]
