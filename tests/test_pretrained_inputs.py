@@ -143,7 +143,9 @@ def test_a_conversion_that_fails_midway_leaves_nothing(tmp_path, monkeypatch, fa
 
     def failing(*args, **kwargs):
         if len(converted) == 6:
-            assert any((tmp_path / "cache" / "mtpjax").glob(".*.tmp-*/params/0005"))
+            # Six tensors written (a tied head is stored as the embedding's twin: one fewer).
+            staged = list((tmp_path / "cache" / "mtpjax").glob(".*.tmp-*/params/*"))
+            assert len(staged) >= 5, staged
             raise failure
         converted.append(args[1].name)
         return convert_entry(*args, **kwargs)
