@@ -461,10 +461,14 @@ def nvfp4_body(
 
 
 class Filler:
-    """A large tensor written by ``write_raw`` in chunks, never held in memory whole."""
+    """A large tensor written by ``write_raw`` in chunks, never held in memory whole: ``pattern``
+    repeated from its first byte (by default a fixed 4 MiB byte sequence)."""
 
-    def __init__(self, dtype: str, shape: Sequence[int], itemsize: int = 2) -> None:
+    def __init__(
+        self, dtype: str, shape: Sequence[int], itemsize: int = 2, pattern: bytes | None = None
+    ) -> None:
         self.dtype, self.shape, self.itemsize = dtype, tuple(shape), itemsize
+        self.pattern = pattern
 
     @property
     def nbytes(self) -> int:
@@ -490,9 +494,10 @@ def write_raw(path: Path, tensors: Mapping[str, np.ndarray | Filler]) -> int:
         f.write(blob)
         for t in tensors.values():
             if isinstance(t, Filler):
+                pattern = chunk if t.pattern is None else t.pattern
                 left = t.nbytes
                 while left:
-                    piece = chunk[: min(left, len(chunk))]
+                    piece = pattern[: min(left, len(pattern))]
                     f.write(piece)
                     left -= len(piece)
             else:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import shutil
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
-from checkpoint_fixtures import write_raw
+from checkpoint_fixtures import Filler, write_raw
 
 import mtpjax.pretrained
 from mtpjax import demo
@@ -136,11 +134,12 @@ def shapes() -> dict[str, tuple[int, ...]]:
     return out
 
 
-def random_bf16(block: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def random_bf16(block: np.ndarray, shape: tuple[int, ...]) -> Filler:
     """BF16 of magnitude in [2^-6, 2^-5) with random signs and mantissas: ``block`` (random
-    bits of a prime length, so no two rows of a tensor repeat each other) tiled to ``shape``;
-    a second for the whole checkpoint, where drawing 357M values would take several."""
-    return np.resize(block, math.prod(shape)).view(ml_dtypes.bfloat16).reshape(shape)
+    bits of a prime length, so no two rows of a tensor repeat each other) repeated over
+    ``shape``, written in pieces; seconds for the whole checkpoint, where drawing 357M values
+    would take minutes."""
+    return Filler("BF16", shape, pattern=block.astype("<u2").tobytes())
 
 
 @pytest.fixture(scope="session")
