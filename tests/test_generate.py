@@ -140,9 +140,9 @@ def common_eos(tokenizer) -> int:
 # Exactness.
 
 
-# Each k once on the trained pair (every k with one drafter is test_hybrid's, on a random pair
-# made to accept partially): the BF16 drafter at k = 1, 3 and 4 (with an eos that stops some
-# sequences early), the FP8 drafter, whose prompt rows go through propose, at k = 2.
+# Each k once on the trained pair (test_hybrid runs k = 1 and 4 on a random pair made to accept
+# partially): the BF16 drafter at k = 1, 3 and 4 (with an eos that stops some sequences early),
+# the FP8 drafter, whose prompt rows go through propose, at k = 2.
 @pytest.mark.parametrize("k, precision", [(1, "bf16"), (2, "fp8"), (3, "bf16"), (4, "bf16")])
 def test_greedy_speculation_equals_plain_greedy(
     pair, fp8, target, prompts, baseline, tokenizer, k, precision
@@ -201,6 +201,7 @@ def test_greedy_speculation_equals_plain_greedy(
     assert int(spec.target_steps) == int(spec.active_steps.max())
     assert int(spec.target_steps) < int(base.target_steps)  # speculation saves forwards
     assert m.mean_acceptance_length() > 1.3
+    assert 0 < int(m.num_accepted_tokens) < int(m.num_draft_tokens)  # partial accepts too
 
 
 # --------------------------------------------------------------------------------------------

@@ -354,7 +354,8 @@ def pair():
     return params, head, dcfg, d
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+# The narrowest and the widest window here; test_generate runs every k on the trained pair.
+@pytest.mark.parametrize("k", [1, 4])
 def test_greedy_speculation_equals_plain_greedy(pair, k):
     params, head, dcfg, d = pair
     target = hybrid.target_model(EXACT, params, head, max_step=k + 1)
