@@ -379,21 +379,21 @@ def _layer(
     lp: DecoderLayerParams,
     x: jax.Array,
     positions: jax.Array,
-    kv_and_mask: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]],
+    kv_and_mask: Callable[[jax.Array, jax.Array], tuple[tuple[jax.Array, ...], Any]],
     cfg: TargetConfig,
     implementation: str,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+) -> tuple[jax.Array, Any]:
     """One residual decoder layer on x: f32[B, T, H].
 
-    ``kv_and_mask(k, v) -> (k_all, v_all, mask)`` decides what the T queries attend to: their
-    own rows (full forward, prefill) or the cache after this step's rows are written. Returns
-    the new x and the (k_all, v_all) it attended to, so a cache update flows out of the scan.
+    ``kv_and_mask(k, v) -> ((k_all, v_all, mask), kept)`` decides what the T queries attend to
+    (their own rows in a full forward or prefill, the cache after this step's rows are
+    written) and what the layer hands back (the rows, or the updated cache). Returns (x, kept).
     """
     cd = cfg.compute_dtype
     a = _norm(x, lp.input_layernorm, cfg).astype(cd)
     q, gate = project_q(lp.attention, a, positions, cfg, implementation=implementation)
     k, v = project_kv(lp.attention, a, positions, cfg, implementation=implementation)
-    k_all, v_all, mask = kv_and_mask(k, v)
+    (k_all, v_all, mask), kept = kv_and_mask(k, v)
     o = attend(q, k_all, v_all, mask)  # f32[B, T, Nq, D]
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
@@ -402,7 +402,7 @@ def _layer(
     g = _lin(y, lp.ffn.gate_proj, cfg, implementation)
     u = _lin(y, lp.ffn.up_proj, cfg, implementation)
     x = x + _lin(jax.nn.silu(g) * u, lp.ffn.down_proj, cfg, implementation)
-    return x, (k_all, v_all)
+    return x, kept
 
 
 def _check_tokens(tokens: jax.Array, name: str = "tokens") -> None:
@@ -417,7 +417,7 @@ def _causal_stack(params, head, tokens, positions, cfg, implementation):
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
 
     def body(x, lp):
-        return _layer(lp, x, positions, lambda k, v: (k, v, mask), cfg, implementation)
+        return _layer(lp, x, positions, lambda k, v: ((k, v, mask), (k, v)), cfg, implementation)
 
     x, kv = jax.lax.scan(body, x, params.layers)
     return _norm(x, params.final_norm, cfg), kv
@@ -526,15 +526,24 @@ def _target_step(params, head, cache, tokens, start, *, cfg, implementation):
     batch_idx = jnp.arange(B)[:, None]
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
 
-    def body(x, layer):
-        lp, k_cache, v_cache = layer
+    # The stacked cache [L, B, Lmax, Nkv, D] is carried through the scan and each layer writes
+    # its S rows in place at [i, b, position]: a donated cache is never copied whole per step.
+    def body(carry, layer):
+        x, k_stack, v_stack = carry
+        lp, i = layer
 
         def write(k, v):
-            k_all = k_cache.at[batch_idx, positions].set(k.astype(k_cache.dtype), mode="drop")
-            v_all = v_cache.at[batch_idx, positions].set(v.astype(v_cache.dtype), mode="drop")
-            return k_all, v_all, mask
+            k_stack_new = k_stack.at[i, batch_idx, positions].set(
+                k.astype(k_stack.dtype), mode="drop"
+            )
+            v_stack_new = v_stack.at[i, batch_idx, positions].set(
+                v.astype(v_stack.dtype), mode="drop"
+            )
+            return (k_stack_new[i], v_stack_new[i], mask), (k_stack_new, v_stack_new)
 
-        return _layer(lp, x, positions, write, cfg, implementation)
+        x, (k_stack, v_stack) = _layer(lp, x, positions, write, cfg, implementation)
+        return (x, k_stack, v_stack), None
 
-    x, (k_new, v_new) = jax.lax.scan(body, x, (params.layers, cache.k, cache.v))
+    layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
+    (x, k_new, v_new), _ = jax.lax.scan(body, (x, cache.k, cache.v), (params.layers, layer_ids))
     return _norm(x, params.final_norm, cfg), TargetCache(k=k_new, v=v_new)
