@@ -561,9 +561,7 @@ def unmapped_category(kernel: str) -> str:
 def profile_step(compiled, params, head, state, tokens, where, *, calls: int, top: int):
     """Kernel time per call of ``compiled`` under ``jax.profiler``, by category and by source
     line, with the ``top`` kernels. Returns (record fields, the last state)."""
-    import jax
-
-    from benchmarks.profile import breakdown, device_events
+    from benchmarks.profile import breakdown, trace_events
 
     sources = hlo_sources(compiled.as_text())
     holder = [state]
@@ -572,14 +570,7 @@ def profile_step(compiled, params, head, state, tokens, where, *, calls: int, to
         out, holder[0] = compiled(params, head, holder[0], tokens, where)
         return out, holder[0]
 
-    jax.block_until_ready(call())
-    with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(calls):
-                jax.block_until_ready(call())
-        wall = (time.perf_counter() - t0) / calls * 1e6
-        events = device_events(Path(d))
+    wall, events = trace_events(call, calls, warmup=1)
     if not harness.on_gpu():
         # The CPU trace holds the host's Python too, and a loop's thunk spans its body's: the
         # thunks of HLO ops other than loops only.

@@ -73,9 +73,9 @@ def breakdown(events: list[dict], calls: int) -> tuple[list[dict], float]:
     return rows, busy
 
 
-def trace_calls(call, calls: int, *, warmup: int = 3) -> tuple[float, list[dict], float]:
+def trace_events(call, calls: int, *, warmup: int = 3) -> tuple[float, list[dict]]:
     """``calls`` synchronised calls of ``call()`` under ``jax.profiler.trace`` (after
-    ``warmup``): (wall µs per call, :func:`breakdown` rows, device-busy µs per call)."""
+    ``warmup``): (wall µs per call, the trace's :func:`device_events`)."""
     for _ in range(warmup):
         jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as d:
@@ -84,7 +84,14 @@ def trace_calls(call, calls: int, *, warmup: int = 3) -> tuple[float, list[dict]
             for _ in range(calls):
                 jax.block_until_ready(call())
         wall = (time.perf_counter() - t0) / calls * 1e6
-        rows, busy = breakdown(device_events(Path(d)), calls)
+        return wall, device_events(Path(d))
+
+
+def trace_calls(call, calls: int, *, warmup: int = 3) -> tuple[float, list[dict], float]:
+    """:func:`trace_events`, summed: (wall µs per call, :func:`breakdown` rows, device-busy µs
+    per call)."""
+    wall, events = trace_events(call, calls, warmup=warmup)
+    rows, busy = breakdown(events, calls)
     return wall, rows, busy
 
 
