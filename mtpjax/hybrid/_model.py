@@ -63,7 +63,7 @@ from mtpjax.layers import attend, output_projection, project_kv, project_q, rms_
 from mtpjax.layers.decoder import apply_ffn
 from mtpjax.reference import TargetCache
 from mtpjax.target_model import TargetModel
-from mtpjax.weights import linear
+from mtpjax.weights import layer_of, linear
 from pallas_kernels.implementation import Implementation
 
 __all__ = [
@@ -282,9 +282,10 @@ def _scan_groups(params: HybridParams, x, state: tuple, slot: Callable, cfg: Hyb
     H]).
     """
 
-    def body(carry, group):
+    def body(carry, g):
         x, state = carry
-        layers, g = group
+        # The group's weights are read in place from the stacks (no per-group copy on a GPU).
+        layers = layer_of(params.layers, g)
         state, outs, inputs = list(state), [], []
         for p in range(cfg.period):
             inputs.append(x)
@@ -292,7 +293,7 @@ def _scan_groups(params: HybridParams, x, state: tuple, slot: Callable, cfg: Hyb
             outs.append(out)
         return (x, tuple(state)), (tuple(outs), jnp.stack(inputs))
 
-    groups = (params.layers, jnp.arange(cfg.num_groups, dtype=jnp.int32))
+    groups = jnp.arange(cfg.num_groups, dtype=jnp.int32)
     (x, state), (outs, inputs) = jax.lax.scan(body, (x, state), groups)
     return x, state, outs, inputs.reshape(-1, *inputs.shape[2:])
 

@@ -54,7 +54,7 @@ from mtpjax.layers import (
     rms_norm,
 )
 from mtpjax.layers.decoder import DecoderLayerParams
-from mtpjax.weights import Bf16Weight, linear
+from mtpjax.weights import Bf16Weight, StackedWeight, layer_of, linear
 from pallas_kernels.implementation import Implementation
 
 __all__ = [
@@ -369,7 +369,9 @@ def _norm(x: jax.Array, w: jax.Array, cfg: TargetConfig) -> jax.Array:
     return rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
 
 
-def _lin(x: jax.Array, w: Bf16Weight, cfg: TargetConfig, implementation: str) -> jax.Array:
+def _lin(
+    x: jax.Array, w: Bf16Weight | StackedWeight, cfg: TargetConfig, implementation: str
+) -> jax.Array:
     return linear(
         x.astype(cfg.compute_dtype), w, out_dtype=jnp.float32, implementation=implementation
     )
@@ -416,10 +418,11 @@ def _causal_stack(params, head, tokens, positions, cfg, implementation):
     mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T]
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
 
-    def body(x, lp):
+    def body(x, i):
+        lp = layer_of(params.layers, i)
         return _layer(lp, x, positions, lambda k, v: ((k, v, mask), (k, v)), cfg, implementation)
 
-    x, kv = jax.lax.scan(body, x, params.layers)
+    x, kv = jax.lax.scan(body, x, jnp.arange(params.num_layers, dtype=jnp.int32))
     return _norm(x, params.final_norm, cfg), kv
 
 
@@ -528,9 +531,9 @@ def _target_step(params, head, cache, tokens, start, *, cfg, implementation):
 
     # The stacked cache [L, B, Lmax, Nkv, D] is carried through the scan and each layer writes
     # its S rows in place at [i, b, position]: a donated cache is never copied whole per step.
-    def body(carry, layer):
+    def body(carry, i):
         x, k_stack, v_stack = carry
-        lp, i = layer
+        lp = layer_of(params.layers, i)
 
         def write(k, v):
             k_stack_new = k_stack.at[i, batch_idx, positions].set(
@@ -545,5 +548,5 @@ def _target_step(params, head, cache, tokens, start, *, cfg, implementation):
         return (x, k_stack, v_stack), None
 
     layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
-    (x, k_new, v_new), _ = jax.lax.scan(body, (x, cache.k, cache.v), (params.layers, layer_ids))
+    (x, k_new, v_new), _ = jax.lax.scan(body, (x, cache.k, cache.v), layer_ids)
     return _norm(x, params.final_norm, cfg), TargetCache(k=k_new, v=v_new)

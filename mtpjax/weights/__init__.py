@@ -14,6 +14,7 @@ from mtpjax.weights._precision import (
     supports_drafter_prefill,
 )
 from mtpjax.weights._quantize import dequantize, encode_e2m1, pack_e2m1, quantize
+from mtpjax.weights._stack import layer_of
 from pallas_kernels import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -25,6 +26,7 @@ from pallas_kernels import (
     Fp8RowWeight,
     Implementation,
     Nvfp4Weight,
+    StackedWeight,
     Weight,
     WeightFormat,
     decode_e2m1,
@@ -46,11 +48,13 @@ __all__ = [
     "Nvfp4Weight",
     "Precision",
     "Projection",
+    "StackedWeight",
     "Weight",
     "WeightFormat",
     "decode_e2m1",
     "dequantize",
     "encode_e2m1",
+    "layer_of",
     "linear",
     "linear_reference",
     "pack_e2m1",

@@ -13,6 +13,9 @@ Shape glossary:
   NB     ceil(N / 128), KB = ceil(K / 128)   FP8 block-128 tile grid
   K/16   NVFP4 scale blocks per row; K/2 packed bytes per row
 
+A layer of a stacked ``[L, N, K]`` weight is passed as :class:`StackedWeight` (the stack and a
+traced index), which the Pallas backends read in place.
+
 Formats (leaves -> dequantised value):
   Bf16Weight      w: bf16[..., N, K]                               -> w
   Fp8RowWeight    q: e4m3[..., N, K], scale: f32[..., N]           -> q * scale[n]
@@ -45,6 +48,7 @@ __all__ = [
     "Fp8BlockWeight",
     "Fp8RowWeight",
     "Nvfp4Weight",
+    "StackedWeight",
     "Weight",
     "WeightFormat",
     "decode_e2m1",
@@ -257,6 +261,70 @@ class Nvfp4Weight(_Matrix):
 Weight = Bf16Weight | Fp8RowWeight | Fp8BlockWeight | Nvfp4Weight
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StackedWeight:
+    """Matrix ``index`` of a stack of weights ``[L, N, K]`` (a model's layers), read in place.
+
+    A ``lax.scan`` over layers that slices each layer's weight out of the stack makes XLA copy
+    the slice to a fresh buffer before a custom call (every Pallas kernel), which doubles the
+    bytes a decode step moves. ``linear``'s Pallas backends index the stack themselves with
+    ``index`` (a traced int32 scalar), so that copy is never made; the reference slices it.
+
+    ``stack``: a weight whose leaves carry one leading ``[L]`` axis; ``index``: int32[] in
+    [0, L) (out-of-range values are clamped, as ``lax.dynamic_index_in_dim`` does).
+    """
+
+    stack: Weight
+    index: jax.Array
+
+    def __post_init__(self) -> None:
+        if not all(_is_array_like(leaf) for leaf in jax.tree.leaves(self.stack)):
+            return
+        if len(self.stack.shape) != 3:
+            raise ValueError(
+                f"StackedWeight.stack must be one stacked [L, N, K] weight, got a "
+                f"{self.stack.format.value} weight of shape {self.stack.shape}"
+            )
+        if _is_array_like(self.index) and (
+            self.index.shape != () or not jnp.issubdtype(self.index.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"StackedWeight.index must be an integer scalar, got "
+                f"{jnp.dtype(self.index.dtype).name}{list(self.index.shape)}"
+            )
+
+    @property
+    def format(self) -> WeightFormat:
+        return self.stack.format
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The entry's logical ``(N, K)``."""
+        return self.stack.shape[1:]
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams to read the entry."""
+        return self.stack.nbytes // self.stack.shape[0]
+
+    def leaf(self, field: str) -> jax.Array:
+        """The entry of one of the stack's leaves (an XLA dynamic slice: for the small ones)."""
+        return jax.lax.dynamic_index_in_dim(getattr(self.stack, field), self.index, 0, False)
+
+    def entry(self) -> Weight:
+        """The ``[N, K]`` weight itself, sliced out of the stack (a copy under XLA:GPU)."""
+        return type(self.stack)(**{f: self.leaf(f) for f in self.stack.leaf_dtypes})
+
+
 def unpack_e2m1(packed: jax.Array) -> jax.Array:
     """Unpacks ``uint8[..., K/2]`` into codes ``uint8[..., K]`` (element 2j = low nibble of j)."""
     if packed.dtype != jnp.uint8:
@@ -272,7 +340,8 @@ def decode_e2m1(codes: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
 
 
 class LinearBackend(Protocol):
-    """A kernel family behind ``linear``: ``x: bf16[M, K]`` times one ``[N, K]`` weight.
+    """A kernel family behind ``linear``: ``x: bf16[M, K]`` times one ``[N, K]`` weight (a
+    ``Weight``, or a ``StackedWeight`` entry it reads in place).
 
     ``supported_on`` says whether it compiles for a device (off it, only interpret mode runs);
     ``supports`` gives the reason it cannot take ``rows`` rows of ``w`` (None when it can);

@@ -72,10 +72,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _common as C
 from pallas_kernels._linear.base import (
-    Fp8BlockWeight,
     Fp8RowWeight,
     Nvfp4Weight,
+    StackedWeight,
     Weight,
+    WeightFormat,
     compute_capability,
 )
 
@@ -95,6 +96,8 @@ _CHUNK = 64
 _ELEMS_PER_BYTE = {"nvfp4": 2, "fp8": 1, "fp8_block": 1}
 #: Rows and columns of one FP8 block-128 scale (DeepSeek-V3 ``weight_scale_inv``).
 FP8_BLOCK = 128
+#: The weight formats the kernel decodes.
+_FORMATS = (WeightFormat.NVFP4, WeightFormat.FP8, WeightFormat.FP8_BLOCK)
 
 
 #: The four float16 pairs of a code word in 11 integer ops (:func:`_pair_words`): pair i holds
@@ -398,14 +401,19 @@ def _swizzled(bits: int) -> tuple:
     return (plgpu.TilingTransform((8, 1024 // bits)), plgpu.SwizzleTransform(128))
 
 
-def _weight_specs(fmt: str, bn: int, bk: int, ni) -> list:
-    """BlockSpecs of the weight operands of one CTA step (codes first)."""
+def _weight_specs(fmt: str, bn: int, bk: int, ni, entry) -> list:
+    """BlockSpecs of the weight operands of one CTA step (codes first); ``entry`` (a scalar
+    read in the kernel, or None) selects one matrix of stacked [L, N, .] operands, whose
+    squeezed leading axis the TMA copies index in place."""
+
+    def spec(cols: int, **kw):
+        if entry is None:
+            return plgpu.BlockSpec((bn, cols), lambda ki: (ni, ki), **kw)
+        return plgpu.BlockSpec((None, bn, cols), lambda ki: (entry, ni, ki), **kw)
+
     if fmt != "nvfp4":  # FP8: one E4M3 code per byte
-        return [plgpu.BlockSpec((bn, bk), lambda ki: (ni, ki), transforms=_swizzled(8))]
-    return [
-        plgpu.BlockSpec((bn, bk // 2), lambda ki: (ni, ki), transforms=_swizzled(8)),
-        plgpu.BlockSpec((bn, bk // 16), lambda ki: (ni, ki)),
-    ]
+        return [spec(bk, transforms=_swizzled(8))]
+    return [spec(bk // 2, transforms=_swizzled(8)), spec(bk // 16)]
 
 
 def _broadcast_wgmma(v: jax.Array, shape: tuple[int, int], dim: int) -> jax.Array:
@@ -423,10 +431,13 @@ def _build_kernel(
     interpret: bool,
     *,
     fmt: str = "nvfp4",
+    stacked: bool = False,
 ):
     """The GEMV kernel of every format (one pipeline, the decode chosen by ``fmt``) -> f32[m, N].
 
-    Operands: x float16[m_pad, K] (permuted for ``fmt``), f32[m_pad] row factors, then NVFP4
+    Operands: x float16[m_pad, K] (permuted for ``fmt``), f32[m_pad] row factors, with
+    ``stacked`` an int32[1] entry index and the codes (NVFP4: and scales) as [L, N, .] stacks
+    read at that entry, then NVFP4
     codes uint8[N, K/2] and scales uint8[N, K/16]; FP8 codes uint8[N, K] and f32[cdiv(N,
     block_n) * block_n] weight-row scales ("fp8"); or FP8 codes uint8[N, K] and block scales
     f32[cdiv(N, 128), K/128] ("fp8_block", ``block_n`` 64 or 128 so a CTA's rows share one
@@ -455,6 +466,7 @@ def _build_kernel(
 
     def body(x_gmem, *refs):
         rowf_gmem, refs = refs[0], refs[1:]
+        entry, refs = (refs[0][0], refs[1:]) if stacked else (None, refs)
         w_gmem, refs = refs[:n_weights], refs[n_weights:]
         bscale_gmem, refs = (refs[0], refs[1:]) if block_scaled else (None, refs)
         *colf_gmem, out_gmem = refs
@@ -508,7 +520,7 @@ def _build_kernel(
             return carry
 
         in_specs = [
-            *_weight_specs(fmt, bn, bk, ni),
+            *_weight_specs(fmt, bn, bk, ni, entry),
             plgpu.BlockSpec((m_pad, bk), lambda ki: (0, ki), transforms=_swizzled(16)),
         ]
 
@@ -603,9 +615,21 @@ def _check_aligned(x: jax.Array, nw: int, kw: int, k_align: int) -> tuple[int, i
     return m, k
 
 
-def _check_fp8_codes(q: jax.Array) -> None:
-    if q.ndim != 2 or q.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"q must be float8_e4m3fn[N, K], got {q.dtype}{list(q.shape)}")
+def _check_fp8_codes(q: jax.Array, index) -> None:
+    rank = 2 if index is None else 3
+    if q.ndim != rank or q.dtype != jnp.float8_e4m3fn:
+        want = "[N, K]" if index is None else "[L, N, K] (with an entry index)"
+        raise ValueError(f"q must be float8_e4m3fn{want}, got {q.dtype}{list(q.shape)}")
+
+
+def _entry(a: jax.Array, index) -> jax.Array:
+    """Entry ``index`` of a stacked small operand (scales), or ``a`` itself when unstacked."""
+    return a if index is None else jax.lax.dynamic_index_in_dim(a, index, 0, False)
+
+
+def _index_operand(index) -> tuple:
+    """The kernel's int32[1] entry operand (none for an unstacked weight)."""
+    return () if index is None else (jnp.asarray(index, jnp.int32).reshape(1),)
 
 
 def _pad_to(a: jax.Array, size: int) -> jax.Array:
@@ -634,26 +658,30 @@ def nvfp4_gemv_mosaic(
     scale: jax.Array,
     scale_2: jax.Array,
     *,
+    index: jax.Array | None = None,
     config: MosaicGemvConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """NVFP4 W4A16 GEMV: x bf16[M, K] (1 <= M <= 128, K a multiple of 16) times packed
-    uint8[N, K/2], scale float8_e4m3fn[N, K/16], scale_2 f32[] -> f32[M, N]; ``config``: tiles
+    uint8[N, K/2], scale float8_e4m3fn[N, K/16], scale_2 f32[] -> f32[M, N]; ``index``: an
+    int32[] entry of [L, ...]-stacked leaves, read in place; ``config``: tiles
     (:func:`default_config` when None); ``interpret``: Mosaic GPU's CPU interpreter."""
-    nw, kh = packed.shape
+    *lead, nw, kh = packed.shape
     kw = kh * 2
+    if len(lead) != (0 if index is None else 1):
+        raise ValueError(f"packed must be [N, K/2], or [L, N, K/2] with an index, got {lead}")
     m, k = _check_aligned(x, nw, kw, K_ALIGN)
     if k % 16:
         raise ValueError(f"x K={k} must be a multiple of 16")
-    if scale.shape != (nw, kw // 16):
-        raise ValueError(f"scale must be {[nw, kw // 16]}, got {list(scale.shape)}")
+    if scale.shape != (*lead, nw, kw // 16):
+        raise ValueError(f"scale must be {[*lead, nw, kw // 16]}, got {list(scale.shape)}")
     cfg = config or default_config(m, nw, kw)
     if cfg.block_k % K_ALIGN:
         raise ValueError(f"NVFP4 needs block_k a multiple of {K_ALIGN}, got {cfg.block_k}")
     x16, xinv = _prepare_x(x, kw, "nvfp4")
-    gscale = jnp.asarray(scale_2, jnp.float32) * C.E2M1_F16_UNBIAS
-    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="nvfp4")
-    return kernel(x16, xinv * gscale, packed, C.as_u8(scale))
+    gscale = jnp.asarray(_entry(scale_2, index), jnp.float32) * C.E2M1_F16_UNBIAS
+    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="nvfp4", stacked=index is not None)
+    return kernel(x16, xinv * gscale, *_index_operand(index), packed, C.as_u8(scale))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -662,22 +690,24 @@ def fp8_row_gemv_mosaic(
     q: jax.Array,
     scale: jax.Array,
     *,
+    index: jax.Array | None = None,
     config: MosaicGemvConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """FP8 per-row W8A16 GEMV: ``x @ (q * scale[:, None]).T`` for x bf16[M, K], q
     float8_e4m3fn[N, K], scale f32[N] (applied in F32 after the F32-accumulated MMA) ->
-    f32[M, N]."""
-    _check_fp8_codes(q)
-    nw, kw = q.shape
+    f32[M, N]; ``index``: an int32[] entry of [L, ...]-stacked leaves, the codes read in
+    place."""
+    _check_fp8_codes(q, index)
+    *lead, nw, kw = q.shape
     m, _ = _check_aligned(x, nw, kw, FP8_K_ALIGN)
-    if scale.shape != (nw,):
-        raise ValueError(f"scale must be [{nw}], got {scale.shape}")
+    if scale.shape != (*lead, nw):
+        raise ValueError(f"scale must be {[*lead, nw]}, got {list(scale.shape)}")
     cfg = config or default_config(m, nw, kw, fmt="fp8")
     x16, xinv = _prepare_x(x, kw, "fp8")
-    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8")
-    colf = _pad_to(scale.astype(jnp.float32), C.cdiv(nw, cfg.block_n) * cfg.block_n)
-    return kernel(x16, xinv, C.as_u8(q), colf)
+    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8", stacked=index is not None)
+    colf = _pad_to(_entry(scale, index).astype(jnp.float32), C.cdiv(nw, cfg.block_n) * cfg.block_n)
+    return kernel(x16, xinv, *_index_operand(index), C.as_u8(q), colf)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -686,24 +716,27 @@ def fp8_block_gemv_mosaic(
     q: jax.Array,
     scale_inv: jax.Array,
     *,
+    index: jax.Array | None = None,
     config: MosaicGemvConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """FP8 block-128 W8A16 GEMV: ``x @ w.T`` with ``w = q * scale_inv[n // 128, k // 128]`` for
     x bf16[M, K], q float8_e4m3fn[N, K], scale_inv f32[ceil(N/128), K/128] (applied in F32 to
-    each 128-wide K block's partial sum) -> f32[M, N]. ``config.block_n`` must be 64 or 128."""
-    _check_fp8_codes(q)
-    nw, kw = q.shape
+    each 128-wide K block's partial sum) -> f32[M, N]. ``config.block_n`` must be 64 or 128;
+    ``index``: an int32[] entry of [L, ...]-stacked leaves, the codes read in place."""
+    _check_fp8_codes(q, index)
+    *lead, nw, kw = q.shape
     m, _ = _check_aligned(x, nw, kw, FP8_BLOCK)
-    want = (C.cdiv(nw, FP8_BLOCK), kw // FP8_BLOCK)
+    want = (*lead, C.cdiv(nw, FP8_BLOCK), kw // FP8_BLOCK)
     if scale_inv.shape != want:
         raise ValueError(f"scale_inv must be {list(want)}, got {list(scale_inv.shape)}")
     cfg = config or default_config(m, nw, kw, fmt="fp8_block")
     if cfg.block_n > FP8_BLOCK:
         raise ValueError(f"fp8_block needs block_n <= {FP8_BLOCK}, got {cfg.block_n}")
     x16, xinv = _prepare_x(x, kw, "fp8_block")
-    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8_block")
-    return kernel(x16, xinv, C.as_u8(q), scale_inv.astype(jnp.float32))
+    kernel = _build_kernel(m, nw, kw, cfg, interpret, fmt="fp8_block", stacked=index is not None)
+    sinv = _entry(scale_inv, index).astype(jnp.float32)
+    return kernel(x16, xinv, *_index_operand(index), C.as_u8(q), sinv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,16 +745,23 @@ def fp8_block_gemv_mosaic(
 
 
 def gemv(
-    x: jax.Array, w: Weight, *, config: MosaicGemvConfig | None = None, interpret: bool = False
+    x: jax.Array,
+    w: Weight | StackedWeight,
+    *,
+    config: MosaicGemvConfig | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
-    """``x: bf16[M, K]`` (M <= 128) times an aligned NVFP4 / FP8 / FP8 block-128 weight."""
+    """``x: bf16[M, K]`` (M <= 128) times an aligned NVFP4 / FP8 / FP8 block-128 weight (or an
+    entry of a stack of them, read in place)."""
+    index = None
+    if isinstance(w, StackedWeight):
+        w, index = w.stack, w.index
+    kw = dict(index=index, config=config, interpret=interpret)
     if isinstance(w, Nvfp4Weight):
-        return nvfp4_gemv_mosaic(
-            x, w.packed, w.scale, w.scale_2, config=config, interpret=interpret
-        )
+        return nvfp4_gemv_mosaic(x, w.packed, w.scale, w.scale_2, **kw)
     if isinstance(w, Fp8RowWeight):
-        return fp8_row_gemv_mosaic(x, w.q, w.scale, config=config, interpret=interpret)
-    return fp8_block_gemv_mosaic(x, w.q, w.scale_inv, config=config, interpret=interpret)
+        return fp8_row_gemv_mosaic(x, w.q, w.scale, **kw)
+    return fp8_block_gemv_mosaic(x, w.q, w.scale_inv, **kw)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -739,12 +779,12 @@ class MosaicLinear:
         cc = compute_capability(device)
         return cc is not None and cc[0] == 9
 
-    def supports(self, rows: int, w: Weight) -> str | None:
+    def supports(self, rows: int, w: Weight | StackedWeight) -> str | None:
         del rows  # every row count
-        if not isinstance(w, Nvfp4Weight | Fp8RowWeight | Fp8BlockWeight):
+        if w.format not in _FORMATS:
             return f"no Mosaic GEMV for {w.format.value} weights"
         n, k = w.shape
-        k_align = K_ALIGN if isinstance(w, Nvfp4Weight) else FP8_K_ALIGN
+        k_align = K_ALIGN if w.format is WeightFormat.NVFP4 else FP8_K_ALIGN
         if n % N_ALIGN or k % k_align:
             return (
                 f"the TMA copies need N % {N_ALIGN} == 0 and K % {k_align} == 0 for "

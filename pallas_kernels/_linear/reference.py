@@ -24,6 +24,7 @@ from pallas_kernels._linear.base import (
     Fp8BlockWeight,
     Fp8RowWeight,
     Nvfp4Weight,
+    StackedWeight,
     Weight,
     decode_e2m1,
     unpack_e2m1,
@@ -42,7 +43,9 @@ def _dot_nk(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def reference_f32(x: jax.Array, w: Weight) -> jax.Array:
+def reference_f32(x: jax.Array, w: Weight | StackedWeight) -> jax.Array:
+    if isinstance(w, StackedWeight):
+        w = w.entry()
     # BF16 activations meet a BF16 weight; any other activation dtype computes in F32.
     cdt = jnp.bfloat16 if x.dtype == jnp.bfloat16 else jnp.float32
     x = x.astype(cdt)
@@ -73,13 +76,13 @@ def reference_f32(x: jax.Array, w: Weight) -> jax.Array:
     raise AssertionError(type(w))  # check_inputs admits only the four weight types
 
 
-def check_inputs(x: jax.Array, w: Weight) -> None:
-    if not isinstance(w, Weight):
+def check_inputs(x: jax.Array, w: Weight | StackedWeight) -> None:
+    if not isinstance(w, Weight | StackedWeight):
         raise TypeError(f"linear expects a weight pytree, got {type(w).__name__}")
     if len(w.shape) != 2:
         raise ValueError(
             f"linear takes one [N, K] weight, got a stacked {w.format.value} weight of shape "
-            f"{w.shape}; vmap over the leading axes instead"
+            f"{w.shape}; vmap over the leading axes, or pass one layer as a StackedWeight"
         )
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"linear expects floating-point activations, got {x.dtype}")
@@ -90,7 +93,9 @@ def check_inputs(x: jax.Array, w: Weight) -> None:
         )
 
 
-def linear_reference(x: jax.Array, w: Weight, *, out_dtype: jnp.dtype | None = None) -> jax.Array:
+def linear_reference(
+    x: jax.Array, w: Weight | StackedWeight, *, out_dtype: jnp.dtype | None = None
+) -> jax.Array:
     """XLA reference: ``x: [..., K]``, ``w: [N, K]`` -> ``[..., N]`` in out_dtype (default x's)."""
     x = jnp.asarray(x)
     check_inputs(x, w)

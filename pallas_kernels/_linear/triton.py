@@ -38,13 +38,20 @@ from pallas_kernels._linear.base import (
     Bf16Weight,
     Fp8BlockWeight,
     Fp8RowWeight,
+    StackedWeight,
     Weight,
+    WeightFormat,
     compute_capability,
 )
 
 MAX_ROWS = 32
 #: BF16 and FP8 per-row weights take an XLA dot on BF16 operands from this many rows.
 DOT_FROM_ROWS = 9
+#: ... except an entry of a stacked weight up to this many rows (one GEMV pass): the dot reads
+#: a copy of the entry sliced out of the stack, the GEMV the stack in place. Measured on the
+#: H200 (a 64-layer 27B-shape target step, see BENCHMARKS.md): 32 rows, 21 ms on the GEMV
+#: against 45 ms through the copy; 128 rows, 90 ms as four GEMV chunks against 63 ms.
+STACKED_GEMV_MAX_ROWS = MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,7 +153,20 @@ def _and_masks(a, b):
 
 
 def _gemv_kernel(
-    *refs, fmt, m, m_pad, n, k, bn, bk, iters_per_split, total_iters, compute, asm, prefetch
+    *refs,
+    fmt,
+    m,
+    m_pad,
+    n,
+    k,
+    bn,
+    bk,
+    iters_per_split,
+    total_iters,
+    compute,
+    asm,
+    prefetch,
+    stacked,
 ):
     """One program: rows [n0, n0+bn) x K slice ``program_id(1)``; writes o[s, :, rows].
 
@@ -156,8 +176,18 @@ def _gemv_kernel(
       fp8_block: x, xinv, q u8[N, K], scale_inv f32[N/128, K/128]
       bf16:      x, xinv, w bf16[N, K]
     x operands are bf16[M, .] for ``compute="fma"`` and float16/bf16[m_pad, .] for "dot"; NVFP4
-    takes the even and odd K columns separately (shaped [M, K/16, 8] for fma).
+    takes the even and odd K columns separately (shaped [M, K/16, 8] for fma). With
+    ``stacked`` an int32[1] entry index comes first and the codes (NVFP4: and scales) are
+    [L, N, ...] stacks, read at that entry.
     """
+    entry = None
+    if stacked:
+        entry, refs = refs[0][0], refs[1:]
+
+    def at(ref, *idx):
+        """A view of weight ``ref`` (a stack's entry when stacked)."""
+        return ref.at[idx] if entry is None else ref.at[(entry, *idx)]
+
     if fmt == "nvfp4":
         xe_ref, xo_ref, xinv_ref, packed_ref, scale_ref, gscale_ref, o_ref = refs
     elif fmt == "fp8":
@@ -202,10 +232,10 @@ def _gemv_kernel(
             gm = cmask(g0, kg, 16)
             m2 = rmask2(gm)
             codes = _masked_load(
-                packed_ref.at[pl.ds(n0, bn), pl.ds(g0, kg), :],
+                at(packed_ref, pl.ds(n0, bn), pl.ds(g0, kg), slice(None)),
                 None if m2 is None else m2[:, :, None],
             )
-            sc = _masked_load(scale_ref.at[pl.ds(n0, bn), pl.ds(g0, kg)], m2)
+            sc = _masked_load(at(scale_ref, pl.ds(n0, bn), pl.ds(g0, kg)), m2)
             if fma:
                 xs = tuple(
                     tuple(
@@ -226,13 +256,15 @@ def _gemv_kernel(
             kbs = sinv_ref.shape[1]
             for c in range(bk // 128):
                 kc = i * bk + c * 128
-                q = _masked_load(q_ref.at[pl.ds(n0, bn), pl.ds(kc, 128)], rmask2(cmask(kc, 128, 1)))
+                q = _masked_load(
+                    at(q_ref, pl.ds(n0, bn), pl.ds(kc, 128)), rmask2(cmask(kc, 128, 1))
+                )
                 s = sinv_ref[n0 // 128, jnp.minimum(i * (bk // 128) + c, kbs - 1)]
                 chunks.append((q, s, load_x(x_ref, kc, 128, 1)))
             return tuple(chunks)
         src = q_ref if fmt == "fp8" else w_ref
         k0 = i * bk
-        w = _masked_load(src.at[pl.ds(n0, bn), pl.ds(k0, bk)], rmask2(cmask(k0, bk, 1)))
+        w = _masked_load(at(src, pl.ds(n0, bn), pl.ds(k0, bk)), rmask2(cmask(k0, bk, 1)))
         return w, load_x(x_ref, k0, bk, 1)
 
     def fma_rows(acc, w32, xs, factor=None):
@@ -323,7 +355,14 @@ def _gemv_kernel(
 
 
 def _gemv(
-    fmt: str, x: jax.Array, weights: tuple[jax.Array, ...], n: int, k: int, config, interpret
+    fmt: str,
+    x: jax.Array,
+    weights: tuple[jax.Array, ...],
+    n: int,
+    k: int,
+    config,
+    interpret,
+    index: jax.Array | None = None,
 ):
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {x.shape}")
@@ -374,7 +413,9 @@ def _gemv(
         compute=compute,
         asm=asm,
         prefetch=cfg.prefetch,
+        stacked=index is not None,
     )
+    entry = () if index is None else (jnp.asarray(index, jnp.int32).reshape(1),)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, m, n), jnp.float32),
@@ -382,7 +423,7 @@ def _gemv(
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name=f"{fmt}_gemv",
-    )(*xs, xinv, *weights)
+    )(*entry, *xs, xinv, *weights)
     return out[0] if split == 1 else jnp.sum(out, axis=0)
 
 
@@ -393,26 +434,42 @@ def _gemv(
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def gemv(
-    x: jax.Array, w: Weight, *, config: GemvConfig | None = None, interpret: bool = False
+    x: jax.Array,
+    w: Weight | StackedWeight,
+    *,
+    config: GemvConfig | None = None,
+    interpret: bool = False,
 ) -> jax.Array:
-    """``x: bf16[M, K]`` (M <= 32) times one ``[N, K]`` weight of any format -> f32[M, N]."""
+    """``x: bf16[M, K]`` (M <= 32) times one ``[N, K]`` weight of any format (or an entry of a
+    stack of them: its codes read in place, its small scales sliced) -> f32[M, N]."""
     n, k = w.shape
+    index = None
+    if isinstance(w, StackedWeight):
+        index, small = w.index, w.leaf
+        w = w.stack
+    else:
+        small = lambda field: getattr(w, field)  # noqa: E731
+    lead = w.shape[:-2]
     if isinstance(w, Bf16Weight):
         leaves = (w.w,)
     elif isinstance(w, Fp8RowWeight):
-        leaves = (C.as_u8(w.q), w.scale)
+        leaves = (C.as_u8(w.q), small("scale"))
     elif isinstance(w, Fp8BlockWeight):
-        leaves = (C.as_u8(w.q), w.scale_inv)
+        leaves = (C.as_u8(w.q), small("scale_inv"))
     else:
-        leaves = (w.packed.reshape(n, k // 16, 8), C.as_u8(w.scale), w.scale_2.reshape(1))
-    return _gemv(w.format.value, x, leaves, n, k, config, interpret)
+        packed = w.packed.reshape(*lead, n, k // 16, 8)
+        leaves = (packed, C.as_u8(w.scale), small("scale_2").reshape(1))
+    return _gemv(w.format.value, x, leaves, n, k, config, interpret, index)
 
 
-def bf16_operands_dot(x: jax.Array, w: Bf16Weight | Fp8RowWeight) -> jax.Array:
+def bf16_operands_dot(x: jax.Array, w: Bf16Weight | Fp8RowWeight | StackedWeight) -> jax.Array:
     """``x @ w.T`` as one XLA dot on BF16 operands, F32 accumulation: f32[M, N].
 
     FP8 codes are exact in BF16 (widened inside the dot's fusion); the row scale comes after.
+    A stack's entry is sliced out (XLA may fuse the slice into the dot or copy it).
     """
+    if isinstance(w, StackedWeight):
+        w = w.entry()
     xb = x.astype(jnp.bfloat16)
     wb = w.w if isinstance(w, Bf16Weight) else w.q.astype(jnp.bfloat16)
     y = jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -424,7 +481,8 @@ class TritonLinear:
     """The Triton GEMV for up to 32 rows at a time (row chunks beyond).
 
     Row heuristic (measured on the H200): BF16 and FP8 per-row weights take the GEMV for 1..8
-    rows and from 9 rows one XLA dot on BF16 operands (FP8 widened inside its fusion). NVFP4 and
+    rows and from 9 rows one XLA dot on BF16 operands (FP8 widened inside its fusion); an entry
+    of a stacked weight takes the GEMV up to :data:`STACKED_GEMV_MAX_ROWS` rows. NVFP4 and
     FP8 block-128 have no fused XLA decode (dequantise-then-dot writes and re-reads the weight
     in BF16, 8x slower than a GEMV pass), so they take the GEMV over 32-row chunks.
     """
@@ -442,7 +500,13 @@ class TritonLinear:
         return None
 
     def __call__(self, x, w, *, config=None, interpret=False):
-        if x.shape[0] >= DOT_FROM_ROWS and isinstance(w, Bf16Weight | Fp8RowWeight):
+        rows = x.shape[0]
+        in_place = isinstance(w, StackedWeight) and rows <= STACKED_GEMV_MAX_ROWS
+        if (
+            rows >= DOT_FROM_ROWS
+            and not in_place
+            and w.format in (WeightFormat.BF16, WeightFormat.FP8)
+        ):
             return bf16_operands_dot(x, w)
         kernel = functools.partial(gemv, w=w, config=config, interpret=interpret)
         return C.in_row_chunks(kernel, x, MAX_ROWS, w.out_features)
