@@ -1003,6 +1003,11 @@ def _mla(view: ConfigView) -> MlaConfig:
 
 def _mla_nextn(view: ConfigView, mla: MlaConfig, moe: MoeConfig) -> dict[str, Any]:
     """The MLA + MoE NextN layer of DeepSeek-V3 and GLM-4.7-Flash."""
+    # transformers rotates int(qk_rope_head_dim * partial_rotary_factor) dims but splits q and k
+    # at qk_rope_head_dim, so only a factor of 1 is a model it can run.
+    factor = view.rope("partial_rotary_factor", default=1.0)
+    if factor != 1.0:
+        raise fail("partial_rotary_factor", factor, "1.0 with MLA (RoPE on all qk_rope_head_dim)")
     return dict(
         _attention(view, rotary_default=1.0, head_dim=mla.qk_head_dim),
         partial_rotary_factor=mla.qk_rope_head_dim / mla.qk_head_dim,

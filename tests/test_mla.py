@@ -238,25 +238,34 @@ def test_one_draft_is_the_chains_first(ckpt):
 # Properties of the latent path.
 
 
-def test_absorbed_decode_equals_expanded_attention():
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_absorbed_decode_equals_expanded_attention(q_lora):
     # Over f32 latent rows (no pool rounding): [q_nope @ W_UK, q_rope] . [c, k_rope], values c,
-    # then @ W_UV and o_proj, equals transformers' expanded form at every causal row.
-    params, _ = random_drafter()
+    # then @ W_UV and o_proj, equals transformers' expanded form at every causal row; with
+    # q_lora_rank (q_a / q_b) and without (one q_proj, as DeepSeek-V2-Lite).
+    cfg = (
+        CFG
+        if q_lora
+        else dataclasses.replace(CFG, mla=dataclasses.replace(CFG.mla, q_lora_rank=None))
+    )
+    params = random_drafter()[0] if q_lora else drafter.init(cfg, key=jax.random.PRNGKey(5))
     attn = params.layer.attention
+    assert (attn.q_proj is None) == q_lora
     rng = np.random.default_rng(0)
     B, T = 2, 7
     x = jnp.asarray(rng.standard_normal((B, T, CFG.hidden_size)), jnp.float32)
-    a = input_norm(params.layer, x, cfg=CFG)
+    a = input_norm(params.layer, x, cfg=cfg)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + 3, (B, T))
 
     @jax.jit
     def both(attn, a, positions):
-        want = mla.mla_causal_attention(attn, a, positions, CFG)
-        q = mla.absorbed_query(attn, a, positions, CFG)  # [B, T, Nq, L+R]
-        rows = mla.latent_rows(attn, a, positions, CFG)  # [B, T, 1, L+R]
+        want = mla.mla_causal_attention(attn, a, positions, cfg)
+        q = mla.absorbed_query(attn, a, positions, cfg)  # [B, T, Nq, L+R]
+        rows = mla.latent_rows(attn, a, positions, cfg)  # [B, T, 1, L+R]
         mask = positions[:, None, :] <= positions[:, :, None]
-        ctx = attend(q, rows, rows[..., : CFG.mla.kv_lora_rank], mask, scale=mla.softmax_scale(CFG))
-        return want, mla.absorbed_output(attn, ctx, CFG)
+        values = rows[..., : cfg.mla.kv_lora_rank]
+        ctx = attend(q, rows, values, mask, scale=mla.softmax_scale(cfg))
+        return want, mla.absorbed_output(attn, ctx, cfg)
 
     want, got = np_tree(both(attn, a, positions))
     assert np.abs(want).max() > 0.1
@@ -283,6 +292,16 @@ def test_latent_paged_attention_dispatch():
     assert got.shape == (2, 4, 32)
     with pytest.raises(NotImplementedError, match="latent rows"):
         drafter.paged_attention(q, cache, scale=0.3, implementation="pallas")
+    # An FP8 latent pool: one scale per row, the value dequantised with the key's scale.
+    fp8 = kv.init_cache(dataclasses.replace(cfg, kv_dtype=kv.KVDtype.FP8), num_seqs=2)
+    fp8, _ = jax.jit(kv.append)(fp8, rows, None, np.asarray([9, 5], np.int32))
+    assert fp8.pool.v_scale is None and fp8.pool.k_scale.shape == (8, 4, 1)
+    k8, v8, _ = np_tree(jax.jit(kv.gather, static_argnums=1)(fp8, 9))
+    np.testing.assert_array_equal(v8, k8[..., :32])
+    np.testing.assert_allclose(k8[valid], k[valid], rtol=0, atol=2**-3 * np.abs(k).max())
+    want8 = jax.jit(attend, static_argnames="scale")(q[:, None], k8, v8, valid[:, None], scale=0.3)
+    got8 = drafter.paged_attention(q, fp8, scale=0.3)
+    np.testing.assert_allclose(got8, np.asarray(want8)[:, 0], rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="value_dim"):
         pk.paged_attention(q, cache.pool.k, None, cache.block_table, cache.seq_len, scale=0.3)
 
@@ -389,3 +408,56 @@ def test_greedy_speculative_equals_plain_greedy(ckpt):
     np.testing.assert_array_equal(spec.tokens, plain.tokens)
     np.testing.assert_array_equal(spec.lengths, plain.lengths)
     assert int(spec.kv_error.max()) == 0
+
+
+def test_bf16_conversion_takes_the_prefill(tmp_path):
+    # Requantised to BF16, the head takes the attention-free prefill; its forward stays within
+    # BF16's rounding of the FP8 values (relative 2^-9 per weight) of transformers'.
+    convert(FIXTURE, tmp_path / "bf16", precision="bf16", progress=False)
+    cfg, loaded = load_drafter(tmp_path / "bf16")
+    module = loaded.modules[0]
+    assert drafter.supports_prefill(module)
+    out = drafter.drafter_forward(module, loaded.head, GOLDEN["tokens"], GOLDEN["hidden"], cfg=cfg)
+    np.testing.assert_allclose(out.logits, GOLDEN["forward_logits"], rtol=0, atol=5e-2)
+
+
+def test_two_nextn_modules_load_and_chain(tmp_path):
+    # DeepSeek's layout with num_nextn_predict_layers = 2: module i is model.layers.{3 + i}, with
+    # its own eh_proj, norms and layer; step 1 runs module 1 on the row (d_1, g_0) at key e + 1,
+    # the only row it holds.
+    import checkpoint_fixtures as fx
+
+    rng = np.random.default_rng(5)
+    tensors = fx.target_tensors(rng, layers=2)
+    for p in ("model.layers.3.", "model.layers.4."):
+        tensors |= fx.deepseek_module_tensors(p, rng)
+    fx.write_checkpoint(tmp_path / "src", fx.deepseek_v3_config(num_mtp=2), tensors)
+    convert(tmp_path / "src", tmp_path / "out", precision="keep", progress=False)
+    cfg, loaded = load_drafter(tmp_path / "out")
+    assert cfg.runnable and loaded.num_modules == 2
+    second = loaded.modules[1].fc
+    np.testing.assert_array_equal(
+        np.asarray(second.q).view(np.uint8), tensors["model.layers.4.eh_proj.weight"].view(np.uint8)
+    )
+    modules = drafter.DrafterModules.from_checkpoint(loaded)
+    B, e = 2, 4
+    pool = drafter.pool_config(cfg, precision="bf16", max_seq_len=16, max_seqs=B, block_size=4)
+    state = drafter.init_state(pool, num_seqs=B, num_modules=2)
+    tok = rng.integers(0, cfg.vocab_size, (B, 6)).astype(np.int32)
+    hid = rng.standard_normal((B, 6, cfg.hidden_size)).astype(np.float32)
+    out, state = drafter.propose(
+        modules, loaded.head, state, pairs(tok, hid, [e + 1] * B, [0] * B), cfg=cfg,
+        num_drafts=2, return_logits=True,
+    )  # fmt: skip
+    drafter.raise_on_state_error(state)
+    np.testing.assert_array_equal(np.asarray(state.seq_len), [[e + 1] * B, [1] * B])
+    ref0 = np_tree(drafter.drafter_forward(loaded.modules[0], loaded.head, tok, hid, cfg=cfg))
+    np.testing.assert_allclose(out.logits[:, 0], ref0.logits[:, e], rtol=0, atol=5e-2)
+    np.testing.assert_allclose(out.hidden[:, 0], ref0.residual[:, e], rtol=0, atol=5e-2)
+    ref1 = np_tree(
+        drafter.drafter_forward(
+            loaded.modules[1], loaded.head, np.asarray(out.tokens[:, :1]),
+            np.asarray(out.hidden[:, :1]), cfg=cfg, positions=np.full((B, 1), e + 1, np.int32),
+        )
+    )  # fmt: skip
+    np.testing.assert_allclose(out.logits[:, 1], ref1.logits[:, 0], rtol=0, atol=5e-2)

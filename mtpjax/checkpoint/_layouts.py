@@ -370,9 +370,12 @@ def _module_prefixes(cfg: DrafterConfig, raw: Mapping[str, Any]) -> list[list[st
 
 
 def _generic_module(
-    cfg: DrafterConfig, ckpt: SafetensorsCheckpoint, names: Sequence[str], prefix: str
+    cfg: DrafterConfig, ckpt: SafetensorsCheckpoint, names: Sequence[str], prefix: str, index: int
 ) -> list[Entry]:
+    """Every tensor under ``prefix`` (module ``index``), experts stacked; a runnable family's
+    projections take their roles from ``module_leaves``, others one from their names."""
     mine = sorted(n for n in names if n.startswith(prefix))
+    described = dict(module_leaves(cfg, index)) if cfg.runnable else {}
     consumed = {c for n in mine if n.endswith(".weight") for c in companion_names(n)}
     experts: dict[tuple[str, str], dict[int, str]] = {}
     entries = []
@@ -395,6 +398,8 @@ def _generic_module(
             kind = EntryKind.ARRAY
         head = kind is EntryKind.WEIGHT and local == "shared_head.head.weight"
         role = _generic_role(base) if kind is EntryKind.WEIGHT and not head else None
+        if role is not None and base in described:  # a runnable family's own description
+            role = described[base].role
         entries.append(
             Entry(
                 name=base, kind=kind, sources=(name,), shape=shape, what=what, role=role, head=head
@@ -441,7 +446,7 @@ def _generic_plan(
             name_set,
             source,
         )
-        entries += _generic_module(cfg, ckpt, names, prefix)
+        entries += _generic_module(cfg, ckpt, names, prefix, i)
     return Plan(
         layout=layout, entries=tuple(entries), mtp_prefixes=tuple(scheme), tied_embeddings=tied
     )
