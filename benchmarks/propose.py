@@ -12,10 +12,18 @@ All weights are random, at the real shapes:
   ``q_proj`` 12288 wide); partial RoPE 0.25; dense FFN 17408; LM head ``[248320, 5120]``.
 - **moe**: a Qwen3-Next-80B-like head. Hidden 2048; 16 query and 2 KV heads of 256; 512
   experts of width 512, top-10, plus a 512-wide gated shared expert; LM head ``[151936, 2048]``.
+- **deepseek** (run it by name: ``--heads deepseek --precisions fp8-block``): DeepSeek-V3's MTP
+  module. Hidden 7168; MLA with 128 heads, q_lora 1536, kv_lora 512, RoPE 64, nope 128, v 128
+  (YaRN); 256 routed experts of width 2048, top-8 in 8 groups (best 4 kept) with the
+  correction bias, plus one shared expert; LM head ``[129280, 7168]``. Its KV pool holds the
+  latent rows (512 + 64 values, 1152 bytes per token in BF16), decoded with ``kv_b_proj``
+  absorbed; paged attention over latent rows always takes the jnp reference (the Triton kernel
+  reads separate K and V pools).
 
 Precisions: ``bf16-nvfp4head`` (a BF16 drafter with an NVFP4 LM head), ``fp8`` (everything FP8
 per-row), ``nvfp4`` (everything NVFP4; a dense head keeps fc/k/v in BF16, and the KV pool is FP8;
-BF16 at the other two). Drafts K are 1, 3, 5 and batches B 1, 8, 64. Each sequence's KV holds
+BF16 at the other two), ``fp8-block`` (DeepSeek's stored formats: every projection FP8 block-128
+but the BF16 router, a BF16 LM head, a BF16 pool). Drafts K are 1, 3, 5 and batches B 1, 8, 64. Each sequence's KV holds
 ``--context`` (4096) random rows written straight into the pool (no prefill); each propose gets
 the anchor pair at key ``context - 1`` in a window ``K + 1`` pairs wide, as a serving loop passes.
 
@@ -78,13 +86,16 @@ from mtpjax.head import init_lm_head, lm_head, shard_lm_head, sharded_lm_head
 from mtpjax.kv import DrafterState, KVDtype, gather, reserve, row_address, write_rows
 from mtpjax.layers import DenseFfnParams, MoeFfnParams
 from mtpjax.verify import verify
+from mtpjax.weights import Fp8RowWeight, Weight, WeightFormat, dequantize, quantize
 
 PRECISIONS = {  # name -> (drafter precision, LM head precision)
     "bf16-nvfp4head": ("bf16", "nvfp4"),
     "fp8": ("fp8", "fp8"),
     "nvfp4": ("nvfp4", "nvfp4"),
+    "fp8-block": ("fp8_block", "bf16"),  # DeepSeek's checkpoint formats (BF16 LM head)
 }
-HEADS = ("dense", "moe")
+HEADS = ("dense", "moe", "deepseek")
+DEFAULT_HEADS = ("dense", "moe")  # deepseek's 11.5 GB of experts runs when named
 # Run order: all-NVFP4 first, FP8 last, so a run cut by the time budget loses the least.
 DEFAULT_PRECISIONS = ("nvfp4", "bf16-nvfp4head", "fp8")
 
@@ -102,8 +113,33 @@ SMOKE_COMPILER_OPTIONS = {
 # ---------------------------------------------------------------------------------------------
 
 
+def deepseek_config(*, smoke: bool) -> DrafterConfig:
+    """DeepSeek-V3's MTP module from its config.json keys (tiny widths for --smoke)."""
+    raw = dict(
+        model_type="deepseek_v3", num_hidden_layers=61, num_nextn_predict_layers=1,
+        hidden_size=7168, vocab_size=129_280, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4,
+        moe_intermediate_size=2048, n_shared_experts=1, routed_scaling_factor=2.5,
+        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+        rms_norm_eps=1e-6, rope_theta=10_000.0, max_position_embeddings=163_840,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096,
+                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+    )  # fmt: skip
+    if smoke:
+        raw.update(
+            hidden_size=64, vocab_size=512, num_attention_heads=4, num_key_value_heads=4,
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+            v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+            moe_intermediate_size=32,
+        )  # fmt: skip
+    return DrafterConfig.from_hf_config(raw)
+
+
 def head_config(name: str, *, smoke: bool) -> DrafterConfig:
     """The drafter config of a head: real shapes, or tiny ones for --smoke."""
+    if name == "deepseek":
+        return deepseek_config(smoke=smoke)
     ffn = dict(ffn=FfnKind.MOE) if name == "moe" else {}
     if smoke:
         return DrafterConfig.tiny(vocab_size=512, **ffn)
@@ -148,15 +184,29 @@ def expected_distinct_experts(num_experts: int, top_k: int, rows: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
 
 
+def _weights_and_arrays(tree) -> tuple[int, int]:
+    """(bytes of the weight pytrees, bytes of the plain arrays) among ``tree``'s fields."""
+    weights = arrays = 0
+    for field in dataclasses.fields(tree):
+        value = getattr(tree, field.name)
+        if isinstance(value, Weight):
+            weights += value.nbytes
+        elif value is not None:
+            arrays += _leaf_bytes(value)
+    return weights, arrays
+
+
 def drafter_bytes_per_draft(params, cfg: DrafterConfig, batch: int) -> dict:
-    """Weight bytes one draft step reads for ``batch`` rows, by part."""
+    """Weight bytes one draft step reads for ``batch`` rows, by part (MLA: every attention
+    projection once; its latent cache is the KV side)."""
     attn, ffn = params.layer.attention, params.layer.ffn
     norms = (params.pre_fc_norm_embedding, params.pre_fc_norm_hidden, params.norm)
     norms += (params.layer.input_layernorm, params.layer.post_attention_layernorm)
+    attention, head_norms = _weights_and_arrays(attn)
     parts = {
         "fc": params.fc.nbytes,
-        "attention": sum(w.nbytes for w in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)),
-        "norms": _leaf_bytes((*norms, attn.q_norm, attn.k_norm)),
+        "attention": attention,
+        "norms": _leaf_bytes(norms) + head_norms,
         "embedding_rows": batch * cfg.hidden_size * 2,  # BF16 table rows gathered
     }
     if isinstance(ffn, DenseFfnParams):
@@ -172,7 +222,10 @@ def drafter_bytes_per_draft(params, cfg: DrafterConfig, batch: int) -> dict:
         )
         if ffn.shared_expert_gate is not None:
             shared += ffn.shared_expert_gate.nbytes
-        parts.update(router=ffn.router.nbytes, shared_expert=shared)
+        router = ffn.router.nbytes
+        if ffn.score_correction_bias is not None:
+            router += _leaf_bytes(ffn.score_correction_bias)
+        parts.update(router=router, shared_expert=shared)
         parts.update(experts=round(touched * per_expert), experts_touched=touched)
     else:
         raise TypeError(type(ffn).__name__)
@@ -181,11 +234,10 @@ def drafter_bytes_per_draft(params, cfg: DrafterConfig, batch: int) -> dict:
 
 
 def kv_row_bytes(cfg: DrafterConfig, kv_dtype: KVDtype) -> int:
-    """Bytes of one K+V row of one sequence in the pool (FP8 rows carry F32 scales per head)."""
-    elems = 2 * cfg.num_key_value_heads * cfg.head_dim
-    if kv_dtype is KVDtype.BF16:
-        return elems * 2
-    return elems + 2 * cfg.num_key_value_heads * 4
+    """Bytes of one row of one sequence in the pool: K and V, or MLA's one latent row (FP8 rows
+    carry F32 scales per head)."""
+    pool = drafter.pool_config(cfg, precision="bf16", max_seq_len=1, max_seqs=1, kv_dtype=kv_dtype)
+    return pool.row_bytes
 
 
 def kv_attended_bytes(cfg, kv_dtype, *, k: int, batch: int, context: int) -> int:
@@ -230,7 +282,8 @@ def filled_state(key, first_seq=0, *, pool_cfg, num_seqs: int, context: int) -> 
     k, v = jax.vmap(rows)(first_seq + jnp.arange(num_seqs))  # f32[B, context, Nkv, D]
     positions = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), (num_seqs, context))
     block, slot = row_address(cache, positions)
-    rows_ = (k.reshape(-1, *shape[1:]), v.reshape(-1, *shape[1:]))
+    latent = pool_cfg.value_dim is not None  # MLA: one latent row per token, no V buffer
+    rows_ = (k.reshape(-1, *shape[1:]), None if latent else v.reshape(-1, *shape[1:]))
     pool = write_rows(cache.pool, block.reshape(-1), slot.reshape(-1), *rows_)
     cache = dataclasses.replace(cache, pool=pool, seq_len=jnp.full((num_seqs,), context, jnp.int32))
     keys = jnp.arange(cache.max_rows_per_seq, dtype=jnp.int32)
@@ -256,6 +309,35 @@ def make_pairs(key, cfg: DrafterConfig, *, k: int, batch: int, context: int) -> 
 @functools.partial(jax.jit, static_argnums=1)
 def normal_f32(key, shape: tuple[int, ...]) -> jax.Array:
     return jax.random.normal(key, shape, jnp.float32)
+
+
+@jax.jit
+def _row_to_block(w: Fp8RowWeight) -> Weight:
+    """An FP8 per-row weight ([..., N, K]; stacked experts one at a time) requantised to FP8
+    block-128."""
+
+    def one(w):
+        return quantize(dequantize(w), WeightFormat.FP8_BLOCK)
+
+    return one(w) if len(w.shape) == 2 else jax.lax.map(one, w)
+
+
+def init_drafter(cfg: DrafterConfig, key, precision: str):
+    """Random drafter weights at ``precision``; ``fp8_block`` (DeepSeek's stored format) draws
+    them at FP8 per-row and requantises every FP8 projection to block-128."""
+    if precision != "fp8_block":
+        return drafter.init(cfg, key=key, precision=precision)
+    params = drafter.init(cfg, key=key, precision="fp8")
+    return jax.tree.map(
+        lambda w: _row_to_block(w) if isinstance(w, Fp8RowWeight) else w,
+        params,
+        is_leaf=lambda x: isinstance(x, Weight),
+    )
+
+
+def pool_precision(precision: str) -> str:
+    """The KV pool rule's input for a drafter precision (FP8 block-128 keeps a BF16 pool)."""
+    return "fp8" if precision == "fp8_block" else precision
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -465,13 +547,16 @@ class Bench:
         dprec, hprec = PRECISIONS[prec]
         key = self.key
         t_init = time.perf_counter()
-        params = drafter.init(cfg, key=jax.random.fold_in(key, 1), precision=dprec)
+        params = init_drafter(cfg, jax.random.fold_in(key, 1), dprec)
         head = init_lm_head(head_cfg, key=jax.random.fold_in(key, 2), precision=hprec)
         _sync((params, head))
         init_s = time.perf_counter() - t_init
         kmax = max(a.ks)
         pool_cfg = functools.partial(
-            drafter.pool_config, cfg, precision=dprec, max_seq_len=a.context + kmax + 1
+            drafter.pool_config,
+            cfg,
+            precision=pool_precision(dprec),
+            max_seq_len=a.context + kmax + 1,
         )
         pool_cfgs = {(b, f): pool_cfg(max_seqs=b * f) for b in a.batches for f in (1, 10)}
         kv_dtype = pool_cfgs[(a.batches[0], 1)].kv_dtype
@@ -710,6 +795,9 @@ class Bench:
         """PyTorch BF16 eager and CUDA-graph times of the same drafter step (weights
         dequantised, so the same at every precision: timed at the head's first precision)."""
         torch, ref, a = self.torch, self.torch_ref, self.a
+        if cfg.mla is not None:
+            self.meta["notes"].append(f"no PyTorch baseline for {base['head']}: MLA has none")
+            return
         dev = "cuda" if self.gpu and torch.cuda.is_available() else "cpu"
         if self.gpu and dev == "cpu":
             self.meta["notes"].append("torch has no CUDA device here: PyTorch baseline on CPU")
@@ -1104,7 +1192,7 @@ def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
     if not heads:
         return
     fig, axes = plt.subplots(1, len(heads), figsize=(6.0 * len(heads) + 2.6, 4.8), squeeze=False)
-    colors = dict(zip(PRECISIONS, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+    colors = dict(zip(PRECISIONS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
     series = (  # (field, style, label suffix, alpha)
         ("per_draft_us", "o-", "", 1.0),
         ("roofline_per_draft_us", "_--", " roofline", 1.0),
@@ -1183,7 +1271,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = p.add_argument
     add("--json", type=Path, default=harness.REPO / "benchmarks/results/propose_h200.json")
     add("--plot", type=Path, default=None, help="default: the JSON path as .png")
-    add("--heads", type=_names(HEADS), default=list(HEADS))
+    add("--heads", type=_names(HEADS), default=list(DEFAULT_HEADS),
+        help="default dense,moe (deepseek runs when named)")  # fmt: skip
     add("--precisions", type=_names(tuple(PRECISIONS)), default=list(DEFAULT_PRECISIONS),
         help="in run order (default nvfp4,bf16-nvfp4head,fp8)")  # fmt: skip
     add("--ks", type=_ints, default=None, help="drafts K (default 1,3,5)")

@@ -15,8 +15,9 @@ Glossary (names used in shapes across the library):
 Families and where their MTP settings live in ``config.json``:
   Qwen3-Next   ``qwen3_next``                     ``num_nextn_predict_layers`` (absent = 1)
   Qwen3.5/3.6  ``qwen3_5`` / ``qwen3_5_moe``      ``text_config.mtp_num_hidden_layers``
-  DeepSeek-V3  ``deepseek_v3``                    ``num_nextn_predict_layers``
+  DeepSeek-V3  ``deepseek_v3`` (V3.2: ``deepseek_v32``) ``num_nextn_predict_layers``
   GLM-4.5      ``glm4_moe``                       ``num_nextn_predict_layers``
+  GLM-4.7-Flash ``glm4_moe_lite`` (MLA + MoE)     ``num_nextn_predict_layers``
   MiMo         ``mimo``                           ``num_nextn_predict_layers``
   MiniMax-M2   ``minimax_m2``                     ``use_mtp``, ``num_mtp_modules``,
                                                   ``mtp_transformer_layers``
@@ -46,6 +47,7 @@ __all__ = [
     "MlaConfig",
     "MoeConfig",
     "RouterScoring",
+    "YarnScaling",
     "configs_by_name",
     "load_hf_config",
 ]
@@ -58,6 +60,7 @@ class Architecture(enum.Enum):
     QWEN3_5 = "qwen3_5"
     DEEPSEEK_V3 = "deepseek_v3"
     GLM4_MOE = "glm4_moe"
+    GLM4_MOE_LITE = "glm4_moe_lite"  # GLM-4.7-Flash: DeepSeek's MLA with GLM's router
     MIMO = "mimo"
     MINIMAX_M2 = "minimax_m2"
 
@@ -229,6 +232,13 @@ class MoeConfig(KeywordOnly):
         check_divides(self, "n_group", "num_experts")
         check_int("topk_group", self.topk_group, minimum=1)
         check_at_most(self, "topk_group", "n_group")
+        if self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise fail(
+                "n_group",
+                self.n_group,
+                f"at most num_experts / 2 = {self.num_experts // 2} (a group is ranked by its "
+                "two best experts)",
+            )
         reachable = self.topk_group * (self.num_experts // self.n_group)
         if self.num_experts_per_tok > reachable:
             raise fail(
@@ -244,13 +254,21 @@ class MoeConfig(KeywordOnly):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MlaConfig(KeywordOnly):
-    """DeepSeek multi-head latent attention dimensions (config only: no MLA drafter yet)."""
+    """DeepSeek multi-head latent attention (``mtpjax.layers.mla``).
+
+    ``rope_interleave``: the RoPE'd dims hold interleaved pairs ``(x0, x1), (x2, x3), ...``
+    (DeepSeek's checkpoints; transformers' ``rope_interleave``, default True) rather than NeoX
+    halves. ``latent_norm_eps``: the q_a / kv_a layernorms' epsilon, which DeepSeek's reference
+    and transformers leave at 1e-6 whatever the config's ``rms_norm_eps``.
+    """
 
     q_lora_rank: int | None  # None: q is projected directly from H (DeepSeek-V2-Lite)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    rope_interleave: bool = True
+    latent_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         if self.q_lora_rank is not None:
@@ -261,6 +279,8 @@ class MlaConfig(KeywordOnly):
         if self.qk_rope_head_dim % 2:
             raise fail("qk_rope_head_dim", self.qk_rope_head_dim, "an even number")
         check_int("v_head_dim", self.v_head_dim, minimum=1)
+        check_bool("rope_interleave", self.rope_interleave)
+        check_float("latent_norm_eps", self.latent_norm_eps)
 
     @property
     def qk_head_dim(self) -> int:
@@ -272,13 +292,66 @@ class MlaConfig(KeywordOnly):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnScaling(KeywordOnly):
+    """YaRN rope scaling (``rope_scaling`` / ``rope_parameters`` with ``rope_type: yarn``).
+
+    The inverse frequencies blend interpolation (``/ factor``) and extrapolation over the
+    dimensions between the ``beta_fast`` / ``beta_slow`` correction range;
+    ``cos_sin_scale`` multiplies cos and sin (transformers' ``attention_factor``) and
+    ``softmax_scale_factor`` the MLA softmax scale (DeepSeek's ``mscale_all_dim`` correction).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        check_float("rope_scaling.factor", self.factor)
+        check_int(
+            "rope_scaling.original_max_position_embeddings",
+            self.original_max_position_embeddings,
+            minimum=1,
+        )
+        check_float("rope_scaling.beta_fast", self.beta_fast)
+        check_float("rope_scaling.beta_slow", self.beta_slow)
+        for key in ("mscale", "mscale_all_dim", "attention_factor"):
+            if getattr(self, key) is not None:
+                check_float(f"rope_scaling.{key}", getattr(self, key), positive=False)
+        check_bool("rope_scaling.truncate", self.truncate)
+
+    @property
+    def cos_sin_scale(self) -> float:
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return _yarn_mscale(self.factor, self.mscale) / _yarn_mscale(
+                self.factor, self.mscale_all_dim
+            )
+        return _yarn_mscale(self.factor, 1.0)
+
+    @property
+    def softmax_scale_factor(self) -> float:
+        if not self.mscale_all_dim:
+            return 1.0
+        return _yarn_mscale(self.factor, self.mscale_all_dim) ** 2
+
+
 _QWEN_FAMILY = (Architecture.QWEN3_NEXT, Architecture.QWEN3_5)
 
+# NextN families: MTP module i is decoder layer `model.layers.{num_hidden_layers + i}`.
+_NEXTN_FAMILY = (Architecture.DEEPSEEK_V3, Architecture.GLM4_MOE, Architecture.GLM4_MOE_LITE)
+
 _NOT_IMPLEMENTED = {
-    Architecture.DEEPSEEK_V3: (
-        "the DeepSeek-V3 MTP layer uses MLA attention and a sigmoid-routed, group-limited MoE, "
-        "which the drafter does not implement yet"
-    ),
     Architecture.GLM4_MOE: (
         "the GLM-4.5 MTP layer (plain RMSNorm, q/k/v bias, sigmoid-routed MoE with "
         "e_score_correction_bias) is not implemented by the drafter yet"
@@ -313,6 +386,7 @@ class DrafterConfig(KeywordOnly):
     partial_rotary_factor: float
     rope_theta: float
     rope_type: str = "default"
+    rope_scaling: YarnScaling | None = None  # the YaRN parameters when rope_type is "yarn"
     rms_norm_eps: float
     zero_centered_norm: bool  # Qwen3-Next/3.5: x/rms*(1+w); others x/rms*w
     attn_output_gate: bool  # Qwen3-Next/3.5: q_proj emits [q_h, gate_h] per head
@@ -322,6 +396,13 @@ class DrafterConfig(KeywordOnly):
     intermediate_size: int = 0
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None
+    # The hidden draft steps 1.. consume unless a step is told otherwise: the one the family's
+    # reference engines chain (DeepSeek: the pre-norm residual, as vLLM's deepseek_mtp).
+    hidden_contract: HiddenContract = HiddenContract.POST_NORM
+    # NextN families: the index in `model.layers` of MTP module 0's layer (num_hidden_layers).
+    first_mtp_layer: int | None = None
+    # DeepSeek-V3.2's DSA: its lightning indexer keeps the top `index_topk` rows per query.
+    sparse_attention_topk: int | None = None
     num_mtp_modules: int = 1
     mtp_layers_per_module: int = 1
     mtp_use_dedicated_embeddings: bool = False
@@ -351,6 +432,20 @@ class DrafterConfig(KeywordOnly):
         check_float("rope_theta", self.rope_theta)
         if not isinstance(self.rope_type, str) or not self.rope_type:
             raise fail("rope_type", self.rope_type, "a non-empty string")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnScaling):
+            raise fail("rope_scaling", self.rope_scaling, "a YarnScaling or None")
+        if self.rope_scaling is not None and self.rope_type != "yarn":
+            raise fail(
+                "rope_scaling",
+                self.rope_scaling,
+                f"None for rope_type={self.rope_type!r} "
+                "(YarnScaling is the parameters of rope_type 'yarn')",
+            )
+        check_enum("hidden_contract", self.hidden_contract, HiddenContract)
+        if self.first_mtp_layer is not None:
+            check_int("first_mtp_layer", self.first_mtp_layer, minimum=0)
+        if self.sparse_attention_topk is not None:
+            check_int("sparse_attention_topk", self.sparse_attention_topk, minimum=1)
         check_float("rms_norm_eps", self.rms_norm_eps)
         for key in (
             "zero_centered_norm",
@@ -435,35 +530,38 @@ class DrafterConfig(KeywordOnly):
     @property
     def unsupported_reason(self) -> str | None:
         """Why the drafter cannot run this config, or None when it can."""
-        if self.architecture not in _QWEN_FAMILY:
+        if self.architecture in _NOT_IMPLEMENTED:
             return _NOT_IMPLEMENTED[self.architecture]
         problems = []
-        if self.mla is not None:
-            problems.append("MLA attention")
-        if not self.zero_centered_norm:
-            problems.append("plain (non zero-centred) RMSNorm")
+        if self.sparse_attention_topk is not None:
+            problems.append(
+                "DeepSeek-V3.2's sparse attention (DSA: a lightning indexer picks the top "
+                f"index_topk={self.sparse_attention_topk} rows each query attends to)"
+            )
         if self.attention_bias:
             problems.append("q/k/v projection bias")
         if self.input_order is not InputOrder.EMBED_FIRST:
             problems.append(f"input order {self.input_order.value}")
-        if self.rope_type != "default":
-            problems.append(f"rope_type {self.rope_type!r} (only 'default' RoPE)")
-        if self.moe is not None:
-            if self.moe.scoring is not RouterScoring.SOFTMAX:
-                problems.append(f"{self.moe.scoring.value} router scoring")
-            if self.moe.score_correction_bias:
-                problems.append("router score-correction bias")
-            if self.moe.n_group != 1:
-                problems.append("group-limited top-k routing")
+        yarn = self.rope_type == "yarn" and self.mla is not None and self.rope_scaling is not None
+        if self.rope_type != "default" and not yarn:
+            problems.append(
+                f"rope_type {self.rope_type!r} (only 'default' RoPE, or YaRN with its "
+                "parameters (rope_scaling) and MLA)"
+            )
+        if self.mla is not None and self.attn_output_gate:
+            problems.append("an output-gated MLA attention")
         if self.mtp_layers_per_module != 1:
             problems.append(f"{self.mtp_layers_per_module} layers per MTP module")
+        if (self.architecture in _NEXTN_FAMILY) != (self.first_mtp_layer is not None):
+            problems.append("MTP modules without their NextN layer index (first_mtp_layer)")
         if not problems:
             return None
         return "the drafter does not implement " + ", ".join(problems)
 
     @property
     def runnable(self) -> bool:
-        """True when the drafter implements this config (the Qwen3-Next/Qwen3.5 family)."""
+        """True when the drafter implements this config (Qwen3-Next/Qwen3.5, DeepSeek-V3 and
+        GLM-4.7-Flash)."""
         return self.unsupported_reason is None
 
     # ---- construction --------------------------------------------------------------------
@@ -746,12 +844,17 @@ def _mtp_count(view: ConfigView, key: str, *, default: int | None = None) -> int
     return count
 
 
-def _attention(view: ConfigView, *, rotary_default: float) -> dict[str, Any]:
+def _attention(
+    view: ConfigView, *, rotary_default: float, head_dim: int | None = None
+) -> dict[str, Any]:
     """Fields every family reads alike, with the plain layer (non-zero-centred norms, no output
-    gate, ``concat[norm(e), norm(h)]``) that all but the Qwen family keep."""
+    gate, ``concat[norm(e), norm(h)]``) that all but the Qwen family keep; ``head_dim`` when
+    the family derives it (MLA: qk_nope + qk_rope)."""
     hidden = view.get_int("hidden_size", minimum=1)
     heads = view.get_int("num_attention_heads", minimum=1)
-    if view.has("head_dim"):
+    if head_dim is not None:
+        pass
+    elif view.has("head_dim"):
         head_dim = view.get_int("head_dim", minimum=1)
     else:
         if hidden % heads:
@@ -867,33 +970,81 @@ def _sigmoid_moe(view: ConfigView, *, experts_key: str, correction_bias: bool) -
     )
 
 
-def _parse_deepseek_v3(view: ConfigView, model_type: str) -> dict[str, Any]:
+def _yarn(view: ConfigView) -> YarnScaling | None:
+    """The YaRN parameters of ``rope_scaling`` (or ``rope_parameters``), None for other RoPE."""
+    if view.rope_type() != "yarn":
+        return None
+    params = view.raw("rope_scaling") or view.raw("rope_parameters")
+    name = "rope_scaling" if view.has("rope_scaling") else "rope_parameters"
+    if "factor" not in params:
+        raise ValueError(f"config key '{name}.factor' is missing: expected a number for YaRN")
+    optional = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+    return YarnScaling(
+        factor=params["factor"],
+        original_max_position_embeddings=params.get(
+            "original_max_position_embeddings", view.get_int("max_position_embeddings")
+        ),
+        truncate=params.get("truncate", True),
+        **{k: params[k] for k in optional if params.get(k) is not None},
+    )
+
+
+def _mla(view: ConfigView) -> MlaConfig:
     q_lora = view.raw("q_lora_rank")
-    mla = MlaConfig(
+    return MlaConfig(
         q_lora_rank=None if q_lora is None else view.get_int("q_lora_rank", minimum=1),
         kv_lora_rank=view.get_int("kv_lora_rank", minimum=1),
         qk_nope_head_dim=view.get_int("qk_nope_head_dim", minimum=1),
         qk_rope_head_dim=view.get_int("qk_rope_head_dim", minimum=1),
         v_head_dim=view.get_int("v_head_dim", minimum=1),
+        rope_interleave=view.get_bool("rope_interleave", default=True),
     )
-    # The MTP layer sits past first_k_dense_replace, so its FFN is the routed MoE.
+
+
+def _mla_nextn(view: ConfigView, mla: MlaConfig, moe: MoeConfig) -> dict[str, Any]:
+    """The MLA + MoE NextN layer of DeepSeek-V3 and GLM-4.7-Flash."""
+    # transformers rotates int(qk_rope_head_dim * partial_rotary_factor) dims but splits q and k
+    # at qk_rope_head_dim, so only a factor of 1 is a model it can run.
+    factor = view.rope("partial_rotary_factor", default=1.0)
+    if factor != 1.0:
+        raise fail("partial_rotary_factor", factor, "1.0 with MLA (RoPE on all qk_rope_head_dim)")
     return dict(
-        _attention(view, rotary_default=1.0),
-        architecture=Architecture.DEEPSEEK_V3,
-        head_dim=mla.qk_head_dim,
+        _attention(view, rotary_default=1.0, head_dim=mla.qk_head_dim),
         partial_rotary_factor=mla.qk_rope_head_dim / mla.qk_head_dim,
+        rope_scaling=_yarn(view),
         qk_norm=False,  # MLA normalises its latents (q_a/kv_a layernorms) instead
         attention_bias=view.get_bool("attention_bias", default=False),
         ffn=FfnKind.MOE,
-        moe=_sigmoid_moe(
-            view,
-            experts_key="n_routed_experts",
-            correction_bias=view.get_str("topk_method", default="greedy") == "noaux_tc",
-        ),
+        moe=moe,
         mla=mla,
         num_mtp_modules=_mtp_count(view, "num_nextn_predict_layers"),
+        first_mtp_layer=view.get_int("num_hidden_layers", minimum=1),
         zero_embedding_at_position_0=True,
+        # vLLM's deepseek_mtp hands the next step the layer's output before shared_head.norm
+        # (its forward returns the residual; compute_logits applies the norm), as DeepSeek's
+        # chained modules take the previous depth's transformer output.
+        hidden_contract=HiddenContract.PRE_NORM,
     )
+
+
+def _parse_deepseek_v3(view: ConfigView, model_type: str) -> dict[str, Any]:
+    # The MTP layer sits past first_k_dense_replace, so its FFN is the routed MoE.
+    moe = _sigmoid_moe(
+        view,
+        experts_key="n_routed_experts",
+        correction_bias=view.get_str("topk_method", default="greedy") == "noaux_tc",
+    )
+    fields = dict(_mla_nextn(view, _mla(view), moe), architecture=Architecture.DEEPSEEK_V3)
+    if model_type == "deepseek_v32":
+        fields["sparse_attention_topk"] = view.get_int("index_topk", minimum=1, default=2048)
+    return fields
+
+
+def _parse_glm4_moe_lite(view: ConfigView, model_type: str) -> dict[str, Any]:
+    # GLM-4.7-Flash: transformers' Glm4MoeLiteAttention is DeepseekV3Attention and its router
+    # GLM's (sigmoid, e_score_correction_bias, groups), with no topk_method key.
+    moe = _sigmoid_moe(view, experts_key="n_routed_experts", correction_bias=True)
+    return dict(_mla_nextn(view, _mla(view), moe), architecture=Architecture.GLM4_MOE_LITE)
 
 
 def _parse_glm4_moe(view: ConfigView, model_type: str) -> dict[str, Any]:
@@ -964,7 +1115,9 @@ _DRAFTER_PARSERS = {
     "qwen3_5_moe": _parse_qwen3_5,
     "qwen3_5_moe_text": _parse_qwen3_5,
     "deepseek_v3": _parse_deepseek_v3,
+    "deepseek_v32": _parse_deepseek_v3,
     "glm4_moe": _parse_glm4_moe,
+    "glm4_moe_lite": _parse_glm4_moe_lite,
     "mimo": _parse_mimo,
     "minimax_m2": _parse_minimax_m2,
 }

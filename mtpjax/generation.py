@@ -597,7 +597,7 @@ def generate(
     temperature: float | jax.Array = 0.0,
     key: jax.Array | None = None,
     eos_id: int | None = None,
-    hidden_contract: HiddenContract | str = HiddenContract.POST_NORM,
+    hidden_contract: HiddenContract | str | None = None,
     refeed: bool = False,
     implementation: Implementation | str = Implementation.AUTO,
 ) -> GenerateOutput:
@@ -621,7 +621,8 @@ def generate(
         rejection sampling with ``key``.
       key: PRNG key, required when temperature > 0.
       eos_id: static; a sequence stops after emitting it (it is kept in the output).
-      hidden_contract: static ``HiddenContract`` (or its value) for draft steps 1..K-1.
+      hidden_contract: static ``HiddenContract`` (or its value) for draft steps 1..K-1; None:
+        the family's ``drafter_cfg.hidden_contract``.
       refeed: static; rebuild accepted chain rows from the target's hidden after each verify.
       implementation: ``Implementation`` (or its name, any case) of the drafter and the head.
 
@@ -636,7 +637,9 @@ def generate(
         )
     prompts, lengths = _check_prompts(prompts, lengths, head_cfg.vocab_size)
     temperature, key = check_temperature(temperature, key)
-    contract = _parse_contract(hidden_contract)
+    contract = _parse_contract(
+        drafter_cfg.hidden_contract if hidden_contract is None else hidden_contract
+    )
     if not isinstance(refeed, bool):
         raise TypeError(f"refeed must be a Python bool, got {refeed!r}")
     return _generate(

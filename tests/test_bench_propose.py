@@ -180,3 +180,42 @@ def test_smoke_run(tmp_path):
             assert math.isfinite(r["speedup"])
             # Each device holds half of the one-device batch (same rows, same pairs).
             assert r["draft_agreement"] == 1.0
+
+
+def test_deepseek_shapes_and_latent_rows():
+    from mtpjax.kv import KVDtype
+
+    cfg = bp.head_config("deepseek", smoke=False)
+    m, moe = cfg.mla, cfg.moe
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size) == (7168, 128, 129280)
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim) == (1536, 512, 64)
+    assert (m.qk_nope_head_dim, m.v_head_dim) == (128, 128)
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.n_group, moe.topk_group) == (256, 8, 8, 4)
+    assert (moe.moe_intermediate_size, moe.shared_expert_intermediate_size) == (2048, 2048)
+    # The latent row: (512 + 64) BF16 values per token, not 128 heads of expanded K and V.
+    assert bp.kv_row_bytes(cfg, KVDtype.BF16) == 576 * 2
+    assert bp.kv_attended_bytes(cfg, KVDtype.BF16, k=3, batch=8, context=4096) == (
+        8 * (4096 + 4097 + 4098) * 1152
+    )
+
+
+def test_deepseek_smoke_run(tmp_path):
+    from mtpjax.kv import KVDtype
+
+    out = tmp_path / "propose.json"
+    argv = ["--smoke", "--json", str(out), "--heads", "deepseek", "--precisions", "fp8-block"]
+    assert bp.main([*argv, "--skip-torch"]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert not [r for r in records if r["kind"] == "skipped"]
+    (r,) = [r for r in records if r["kind"] == "propose"]
+    assert (r["head"], r["precision"], r["kv_dtype"]) == ("deepseek", "fp8-block", "bf16")
+    assert not r.get("error") and r["context_kept"] and r["kv_errors"] == 0
+    for field in ("time_us", "pipelined_us", "roofline_ratio", "pipelined_roofline_ratio"):
+        assert r[field] > 0, field
+    cfg = bp.head_config("deepseek", smoke=True)
+    assert r["kv_bytes"] == bp.kv_attended_bytes(
+        cfg, KVDtype.BF16, k=r["k"], batch=r["batch"], context=40
+    )
+    parts = r["drafter_bytes_parts"]
+    assert parts["experts_touched"] == pytest.approx(bp.expected_distinct_experts(8, 2, 4))
+    assert r["bytes"] == r["weight_bytes"] + r["kv_bytes"]

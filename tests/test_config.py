@@ -22,6 +22,7 @@ from mtpjax.config import (
     MlaConfig,
     MoeConfig,
     RouterScoring,
+    YarnScaling,
     load_hf_config,
 )
 
@@ -460,7 +461,20 @@ def test_deepseek_v3():
     assert c.zero_embedding_at_position_0 and c.input_order is InputOrder.EMBED_FIRST
     assert not c.zero_centered_norm
     assert c.fp8_block_size == (128, 128)
-    assert not c.runnable and "MLA" in c.unsupported_reason
+    assert c.rope_scaling == YarnScaling(
+        factor=40,
+        original_max_position_embeddings=4096,
+        beta_fast=32,
+        beta_slow=1,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
+    assert c.rope_scaling.cos_sin_scale == 1.0  # mscale == mscale_all_dim
+    assert c.rope_scaling.softmax_scale_factor == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    # vLLM's deepseek_mtp chains the layer's output before shared_head.norm.
+    assert c.hidden_contract is HiddenContract.PRE_NORM
+    assert c.first_mtp_layer == 61 and c.mla.rope_interleave
+    assert c.runnable and c.unsupported_reason is None
 
 
 def test_glm45():
@@ -719,7 +733,6 @@ def test_tiny_configs_are_valid_and_runnable():
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (dict(zero_centered_norm=False), "zero-centred"),
         (dict(attention_bias=True), "bias"),
         (dict(input_order=InputOrder.HIDDEN_FIRST), "hidden_first"),
         (dict(rope_type="yarn"), "rope_type 'yarn'"),
@@ -732,15 +745,17 @@ def test_qwen_family_features_outside_the_drafter_are_reported(overrides, needle
     assert needle in c.unsupported_reason
 
 
-def test_qwen_moe_with_sigmoid_routing_is_not_runnable():
+def test_plain_norms_and_sigmoid_grouped_routing_run_in_any_family():
+    # The norm convention and the router are config-driven layers, not family features.
     moe = dataclasses.replace(
         DrafterConfig.tiny(ffn=FfnKind.MOE).moe,
         scoring=RouterScoring.SIGMOID,
         score_correction_bias=True,
+        n_group=2,
+        topk_group=1,
     )
-    c = DrafterConfig.tiny(ffn=FfnKind.MOE, moe=moe)
-    assert "sigmoid router scoring" in c.unsupported_reason
-    assert "score-correction bias" in c.unsupported_reason
+    c = DrafterConfig.tiny(ffn=FfnKind.MOE, moe=moe, zero_centered_norm=False)
+    assert c.runnable, c.unsupported_reason
 
 
 def test_qwen_with_yarn_rope_from_hf_is_not_runnable():
@@ -891,6 +906,7 @@ def test_enums_parse_from_their_values():
         "qwen3_5",
         "deepseek_v3",
         "glm4_moe",
+        "glm4_moe_lite",
         "mimo",
         "minimax_m2",
     }

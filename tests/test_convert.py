@@ -489,13 +489,15 @@ def test_nvfp4_quant_config_with_bf16_mtp_tensors(tmp_path, moe_source):
 
 
 # --------------------------------------------------------------------------------------------
-# DeepSeek-V3 / GLM-4.5 / MiMo: a named tensor tree, reported as not runnable.
+# DeepSeek-V3.2 / GLM-4.5 / MiMo: a named tensor tree, reported as not runnable.
 
 
 def _generic_source(tmp_path: Path, family: str, num_mtp: int):
     rng = np.random.default_rng(5)
-    if family == "deepseek_v3":
+    if family.startswith("deepseek"):
         config, layers = fx.deepseek_v3_config(num_mtp=num_mtp), 3
+        if family == "deepseek_v32":  # DeepSeek-V3's layout, with DSA sparse attention
+            config |= dict(model_type="deepseek_v32", index_topk=2048)
         prefixes = [f"model.layers.{layers + i}." for i in range(num_mtp)]
         make = fx.deepseek_module_tensors
     elif family == "glm4_moe":
@@ -513,7 +515,7 @@ def _generic_source(tmp_path: Path, family: str, num_mtp: int):
     return config, prefixes, tensors
 
 
-@pytest.mark.parametrize("family, num_mtp", [("deepseek_v3", 2), ("glm4_moe", 1), ("mimo", 1)])
+@pytest.mark.parametrize("family, num_mtp", [("deepseek_v32", 2), ("glm4_moe", 1), ("mimo", 1)])
 def test_unrunnable_families_convert_to_a_named_tree(tmp_path, family, num_mtp):
     config, prefixes, tensors = _generic_source(tmp_path, family, num_mtp)
     cfg = DrafterConfig.from_hf_config(config)
@@ -526,7 +528,7 @@ def test_unrunnable_families_convert_to_a_named_tree(tmp_path, family, num_mtp):
     _, named = load_drafter(tmp_path / "out", allow_unrunnable=True)
     for p in prefixes:
         fc = p + ("input_proj" if family == "mimo" else "eh_proj")
-        if family == "deepseek_v3":
+        if family.startswith("deepseek"):
             assert isinstance(named[fc], Fp8BlockWeight)
             np.testing.assert_array_equal(
                 np.asarray(named[fc].q).view(np.uint8), tensors[fc + ".weight"].view(np.uint8)
@@ -541,7 +543,7 @@ def test_unrunnable_families_convert_to_a_named_tree(tmp_path, family, num_mtp):
         if family != "mimo":
             experts = named[p + "mlp.experts.gate_proj"]
             assert experts.shape == (fx.E, fx.I_EXPERT, fx.H)
-            if family == "deepseek_v3":  # expert 2 of the stack is the source's expert 2
+            if family.startswith("deepseek"):  # expert 2 of the stack is the source's expert 2
                 base = p + "mlp.experts.2.gate_proj.weight"
                 np.testing.assert_array_equal(
                     np.asarray(experts.q[2]).view(np.uint8), tensors[base].view(np.uint8)

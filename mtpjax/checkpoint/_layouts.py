@@ -20,8 +20,11 @@ Families:
                         ``mlp.experts.gate_up_proj [E, 2I, H]`` gate rows first,
                         ``mlp.experts.down_proj [E, H, I]``); runnable.
   DeepSeek-V3, GLM-4.5  module ``i`` is ``model.layers.{num_hidden_layers + i}.*`` (``enorm``,
-                        ``hnorm``, ``eh_proj``, a full layer, ``shared_head.{norm, head}``);
-                        converted as a named tensor tree, not runnable yet.
+  GLM-4.7-Flash         ``hnorm``, ``eh_proj``, a full layer, ``shared_head.{norm, head}``);
+                        converted as a named tensor tree under its own names (experts stacked),
+                        which assembles into the drafter where the family runs (DeepSeek-V3's
+                        and GLM-4.7-Flash's MLA + MoE layer; the target's head serves, the
+                        module's copies of the embedding and head are kept but not read).
   MiMo                  ``model.mtp_layers.{i}.*`` (``token_layernorm``, ``hidden_layernorm``,
                         ``input_proj``, ``final_layernorm``, a Qwen2 layer); named tree.
   MiniMax-M2            its published weights hold no MTP tensors: converting fails, naming the
@@ -125,6 +128,7 @@ _COUNT_KEYS = {
     Architecture.QWEN3_5: "text_config.mtp_num_hidden_layers",
     Architecture.DEEPSEEK_V3: "num_nextn_predict_layers",
     Architecture.GLM4_MOE: "num_nextn_predict_layers",
+    Architecture.GLM4_MOE_LITE: "num_nextn_predict_layers",
     Architecture.MIMO: "num_nextn_predict_layers",
     Architecture.MINIMAX_M2: "num_mtp_modules",
 }
@@ -311,6 +315,7 @@ _MIMO_REQUIRED = {
 _GENERIC_LAYOUTS = {
     Architecture.DEEPSEEK_V3: ("nextn", _NEXTN_REQUIRED),
     Architecture.GLM4_MOE: ("nextn", _NEXTN_REQUIRED),
+    Architecture.GLM4_MOE_LITE: ("nextn", _NEXTN_REQUIRED),
     Architecture.MIMO: ("mimo", _MIMO_REQUIRED),
 }
 _KNOWN_SHAPES = {
@@ -344,7 +349,11 @@ def _module_prefixes(cfg: DrafterConfig, raw: Mapping[str, Any]) -> list[list[st
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     layers = text.get("num_hidden_layers", raw.get("num_hidden_layers"))
     by_layer = [f"model.layers.{layers + i}." for i in range(n)] if isinstance(layers, int) else []
-    if cfg.architecture in (Architecture.DEEPSEEK_V3, Architecture.GLM4_MOE):
+    if cfg.architecture in (
+        Architecture.DEEPSEEK_V3,
+        Architecture.GLM4_MOE,
+        Architecture.GLM4_MOE_LITE,
+    ):
         if not by_layer:
             raise CheckpointError(
                 "config.json has no integer num_hidden_layers: cannot locate the MTP layers"
@@ -361,9 +370,12 @@ def _module_prefixes(cfg: DrafterConfig, raw: Mapping[str, Any]) -> list[list[st
 
 
 def _generic_module(
-    cfg: DrafterConfig, ckpt: SafetensorsCheckpoint, names: Sequence[str], prefix: str
+    cfg: DrafterConfig, ckpt: SafetensorsCheckpoint, names: Sequence[str], prefix: str, index: int
 ) -> list[Entry]:
+    """Every tensor under ``prefix`` (module ``index``), experts stacked; a runnable family's
+    projections take their roles from ``module_leaves``, others one from their names."""
     mine = sorted(n for n in names if n.startswith(prefix))
+    described = dict(module_leaves(cfg, index)) if cfg.runnable else {}
     consumed = {c for n in mine if n.endswith(".weight") for c in companion_names(n)}
     experts: dict[tuple[str, str], dict[int, str]] = {}
     entries = []
@@ -386,6 +398,8 @@ def _generic_module(
             kind = EntryKind.ARRAY
         head = kind is EntryKind.WEIGHT and local == "shared_head.head.weight"
         role = _generic_role(base) if kind is EntryKind.WEIGHT and not head else None
+        if role is not None and base in described:  # a runnable family's own description
+            role = described[base].role
         entries.append(
             Entry(
                 name=base, kind=kind, sources=(name,), shape=shape, what=what, role=role, head=head
@@ -432,7 +446,7 @@ def _generic_plan(
             name_set,
             source,
         )
-        entries += _generic_module(cfg, ckpt, names, prefix)
+        entries += _generic_module(cfg, ckpt, names, prefix, i)
     return Plan(
         layout=layout, entries=tuple(entries), mtp_prefixes=tuple(scheme), tied_embeddings=tied
     )
@@ -473,12 +487,13 @@ class DrafterCheckpoint:
 
 
 def assemble(named: Mapping[str, Any], cfg: DrafterConfig) -> DrafterCheckpoint:
-    """Builds the runnable drafter from converted tensors by name (Qwen layouts).
+    """Builds the runnable drafter from converted tensors by name (Qwen and NextN layouts: the
+    names ``module_leaves`` gives).
 
     ``named`` maps converted names to weights / arrays (or to stand-ins such as
     ``jax.ShapeDtypeStruct``, which is how the loader derives shardings and abstract shapes).
     """
-    if cfg.architecture not in (Architecture.QWEN3_NEXT, Architecture.QWEN3_5):
+    if not cfg.runnable:
         raise ValueError(
             f"no drafter layout for {cfg.architecture.value}: {cfg.unsupported_reason}"
         )

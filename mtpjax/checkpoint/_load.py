@@ -222,7 +222,7 @@ def load_drafter(
       path: the converted checkpoint directory.
       sharding: where the leaves go: a ``jax.sharding.Sharding`` applied to every leaf, a
         callable from leaf path to sharding (None for the default), or None (first device).
-      allow_unrunnable: for a family the drafter does not run yet (DeepSeek-V3, GLM-4.5, MiMo),
+      allow_unrunnable: for a family the drafter does not run yet (GLM-4.5, MiMo, DeepSeek-V3.2),
         return its converted tensors by name instead of raising.
       mtp_vocab_size: passed to ``DrafterConfig.from_hf_config`` (a reduced draft vocab).
       verify: check every restored array against the sha256 in the manifest (a host copy and

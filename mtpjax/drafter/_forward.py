@@ -15,6 +15,12 @@ A row's K/V depend on its pair only (one layer), which is what lets the drafter 
 rows without attention. Activations stay F32 between projections; ``linear`` reads each weight
 format exactly and accumulates in F32.
 
+The NextN families (DeepSeek-V3, GLM) run the same steps with their names (``eh_proj``,
+``enorm``, ``hnorm``, ``shared_head.norm``), plain RMSNorm, MLA attention where configured
+(``mtpjax.layers.mla``: the cache row is the latent, ``[1, L + R]``, and its value is ``None``)
+and, with ``zero_embedding_at_position_0``, the embedding of the row at key 0 zeroed before its
+norm (vLLM's deepseek_mtp masks ``inputs_embeds[positions == 0]``).
+
 Shapes: ``[B]`` sequences (optional in ``drafter_forward``), ``[T]`` rows, ``H`` hidden,
 ``Nkv``/``D`` KV heads / head dim, ``V'`` draft vocab.
 """
@@ -33,6 +39,7 @@ from mtpjax.drafter._params import DrafterParams, check_runnable
 from mtpjax.head import LMHeadParams, embed, lm_head
 from mtpjax.layers.attention import project_kv
 from mtpjax.layers.decoder import decoder_layer, input_norm
+from mtpjax.layers.mla import MlaParams, latent_rows
 from mtpjax.layers.norms import rms_norm
 from mtpjax.weights import linear
 
@@ -87,15 +94,18 @@ def fuse_inputs(
     head: LMHeadParams,
     tokens: jax.Array,
     hidden: jax.Array,
+    positions: jax.Array,
     *,
     cfg: DrafterConfig,
     head_cfg: LMHeadConfig,
     implementation="auto",
 ) -> jax.Array:
-    """``fc(concat[norm_e(embed(tokens)), norm_h(hidden)])``: tokens [...], hidden [..., H] ->
-    the layer input x f32[..., H]."""
+    """``fc(concat[norm_e(embed(tokens)), norm_h(hidden)])``: tokens [...], hidden [..., H] at
+    positions [...] -> the layer input x f32[..., H]."""
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     e = embed_pairs(params, head, tokens, cfg=cfg, head_cfg=head_cfg)
+    if cfg.zero_embedding_at_position_0:
+        e = jnp.where((positions == 0)[..., None], 0.0, e)
     e = rms_norm(e, params.pre_fc_norm_embedding, eps=eps, zero_centered=zc)
     h = rms_norm(hidden, params.pre_fc_norm_hidden, eps=eps, zero_centered=zc)
     return linear(
@@ -120,13 +130,18 @@ def pair_rows(
     """Everything a row needs before attention, for pairs [..., T] at positions [..., T].
 
     Returns x f32[..., T, H] (layer input), a f32[..., T, H] (``input_layernorm(x)``, the q/k/v
-    input), and the cache rows k, v f32[..., T, Nkv, D] (k normed and rotated).
+    input), and the cache rows k, v f32[..., T, Nkv, D] (k normed and rotated); MLA: k the latent
+    rows f32[..., T, 1, L + R] and v None.
     """
     x = fuse_inputs(
-        params, head, tokens, hidden, cfg=cfg, head_cfg=head_cfg, implementation=implementation
-    )
+        params, head, tokens, hidden, positions, cfg=cfg, head_cfg=head_cfg,
+        implementation=implementation,
+    )  # fmt: skip
     a = input_norm(params.layer, x, cfg=cfg)
-    k, v = project_kv(params.layer.attention, a, positions, cfg, implementation=implementation)
+    attn = params.layer.attention
+    if isinstance(attn, MlaParams):
+        return x, a, latent_rows(attn, a, positions, cfg, implementation=implementation), None
+    k, v = project_kv(attn, a, positions, cfg, implementation=implementation)
     return x, a, k, v
 
 
@@ -197,8 +212,9 @@ def drafter_forward(
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     x = fuse_inputs(
-        params, head, tokens, hidden, cfg=cfg, head_cfg=head_cfg, implementation=implementation
-    )
+        params, head, tokens, hidden, positions, cfg=cfg, head_cfg=head_cfg,
+        implementation=implementation,
+    )  # fmt: skip
     x = decoder_layer(params.layer, x, positions, cfg=cfg, implementation=implementation)
     out = output_head(params, head, x, cfg=cfg, head_cfg=head_cfg, implementation=implementation)
     if unbatched:
@@ -217,11 +233,12 @@ def kv_rows(
     cfg: DrafterConfig,
     head_cfg: LMHeadConfig | None = None,
     implementation="auto",
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array | None]:
     """The cache rows of pairs tokens [..., T], hidden [..., T, H] at positions [..., T].
 
     Returns k, v: f32[..., T, Nkv, D], exactly what a paged write stores (before the pool's
-    storage rounding). Used to rebuild a drafter's KV from scratch.
+    storage rounding); MLA: the latent rows f32[..., T, 1, L + R] and None. Used to rebuild a
+    drafter's KV from scratch.
     """
     check_runnable(cfg)
     head_cfg = resolve_head_cfg(cfg, head_cfg)

@@ -3,7 +3,9 @@ that runs them (``DrafterModules``), their random initialisers and the drafter's
 
 A module owns ``fc`` and its norms, one decoder layer and the final ``mtp.norm``; the embedding
 and the LM head are the target's, passed separately as ``mtpjax.head.LMHeadParams`` (a head with
-``mtp_use_dedicated_embeddings`` carries its own embedding table here).
+``mtp_use_dedicated_embeddings`` carries its own embedding table here). The NextN families
+(DeepSeek-V3, GLM) name them ``model.layers.{first_mtp_layer + i}.{eh_proj, enorm, hnorm,
+shared_head.norm}`` with the layer's own leaves beside them, one set per module.
 
 Shapes: ``H`` hidden, ``V`` vocab.
 """
@@ -30,6 +32,7 @@ from mtpjax.layers import (
     with_normal_draws,
 )
 from mtpjax.layers.decoder import DecoderLayerParams
+from mtpjax.layers.mla import MlaParams
 from mtpjax.weights import (
     Precision,
     Projection,
@@ -96,6 +99,21 @@ def init(
     return _init(cfg, key, parse_precision(precision))
 
 
+# A module's own leaves by DrafterParams field: Qwen's names under `mtp.` and the NextN names.
+_QWEN_NAMES = {n: n for n in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+_NEXTN_NAMES = dict(
+    fc="eh_proj", pre_fc_norm_embedding="enorm", pre_fc_norm_hidden="hnorm", norm="shared_head.norm"
+)
+
+
+def _prefixes(cfg: DrafterConfig, index: int) -> tuple[str, str]:
+    """(prefix of module ``index``'s fc and norms, prefix of its decoder layer)."""
+    if cfg.first_mtp_layer is None:
+        return "mtp.", f"mtp.layers.{index}."
+    layer = f"model.layers.{cfg.first_mtp_layer + index}."
+    return layer, layer
+
+
 def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
     """The leaves every module of a checkpoint shares (names relative to ``mtp.``), in the
     initialiser's draw order; a module's own layer is ``layer_leaves(cfg)``."""
@@ -119,10 +137,11 @@ def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
 
 def module_leaves(cfg: DrafterConfig, index: int) -> tuple[tuple[str, Leaf], ...]:
     """``(checkpoint name, leaf)`` for every leaf of MTP module ``index``: the shared ``mtp.*``
-    leaves and its layer ``mtp.layers.{index}.*``."""
-    layer = f"mtp.layers.{index}."
+    leaves and its layer ``mtp.layers.{index}.*`` (NextN: its ``model.layers.{L + index}.*``)."""
+    own, layer = _prefixes(cfg, index)
+    names = _QWEN_NAMES if cfg.first_mtp_layer is None else _NEXTN_NAMES
     return (
-        *((f"mtp.{leaf.name}", leaf) for leaf in shared_leaves(cfg)),
+        *((own + names.get(leaf.name, leaf.name), leaf) for leaf in shared_leaves(cfg)),
         *((layer + leaf.name, leaf) for leaf in layer_leaves(cfg)),
     )
 
@@ -130,13 +149,12 @@ def module_leaves(cfg: DrafterConfig, index: int) -> tuple[tuple[str, Leaf], ...
 def from_named(named: Mapping[str, Any], cfg: DrafterConfig, index: int = 0) -> DrafterParams:
     """MTP module ``index`` from ``named[checkpoint name]`` (weights, arrays, or stand-ins such as
     ``jax.ShapeDtypeStruct`` or PartitionSpecs); a missing required leaf raises KeyError."""
+    own, layer = _prefixes(cfg, index)
+    names = _QWEN_NAMES if cfg.first_mtp_layer is None else _NEXTN_NAMES
     return DrafterParams(
-        fc=named["mtp.fc"],
-        pre_fc_norm_embedding=named["mtp.pre_fc_norm_embedding"],
-        pre_fc_norm_hidden=named["mtp.pre_fc_norm_hidden"],
-        layer=layer_from_named(named, f"mtp.layers.{index}.", cfg=cfg),
-        norm=named["mtp.norm"],
-        embed_tokens=named.get("mtp.embed_tokens"),
+        **{field: named[own + name] for field, name in names.items()},
+        layer=layer_from_named(named, layer, cfg=cfg),
+        embed_tokens=named.get("mtp.embed_tokens") if cfg.first_mtp_layer is None else None,
     )
 
 
@@ -144,9 +162,13 @@ def from_named(named: Mapping[str, Any], cfg: DrafterConfig, index: int = 0) -> 
 def _init(cfg: DrafterConfig, key: jax.Array, precision: Precision) -> DrafterParams:
     dense = cfg.ffn is FfnKind.DENSE
     leaves = module_leaves(cfg, 0)
+    offset = 0.0 if cfg.zero_centered_norm else 1.0
 
     def build(draw) -> DrafterParams:
-        named = {n: init_leaf(leaf, draw, precision, dense_ffn=dense) for n, leaf in leaves}
+        named = {
+            n: init_leaf(leaf, draw, precision, dense_ffn=dense, norm_offset=offset)
+            for n, leaf in leaves
+        }
         return from_named(named, cfg)
 
     return with_normal_draws(key, build)
@@ -173,8 +195,19 @@ class _Axes:
 
 
 def projection_formats(params: DrafterParams) -> dict[str, WeightFormat]:
-    """Storage format of the head's attention and input projections, by checkpoint name."""
+    """Storage format of the head's attention and input projections, by checkpoint name (MLA:
+    ``q_proj`` is the one that emits the queries, and ``kv_a_proj_with_mqa``, which makes a
+    whole cache row, stands for ``k_proj`` and ``v_proj``)."""
     attn = params.layer.attention
+    if isinstance(attn, MlaParams):
+        row = attn.kv_a_proj_with_mqa.format
+        return {
+            "fc": params.fc.format,
+            "q_proj": attn.query_projection.format,
+            "k_proj": row,
+            "v_proj": row,
+            "o_proj": attn.o_proj.format,
+        }
     return {
         "fc": params.fc.format,
         "q_proj": attn.q_proj.format,
@@ -323,16 +356,29 @@ def pool_config(
     """The drafter's paged KV pool: BF16 rows for BF16/FP8 heads, FP8 for NVFP4 heads.
 
     Sized by the pool rule (``PoolConfig.for_sequences``); ``kv_dtype`` overrides the default.
+    Rows per ``kv_row_spec``: GQA keys and values, or MLA's latent rows.
     """
     if kv_dtype is None:
         nvfp4 = parse_precision(precision) is Precision.NVFP4
         kv_dtype = KVDtype.FP8 if nvfp4 else KVDtype.BF16
+    heads, width, value_dim = kv_row_spec(cfg)
     return PoolConfig.for_sequences(
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
+        num_kv_heads=heads,
+        head_dim=width,
+        value_dim=value_dim,
         max_seq_len=max_seq_len,
         max_seqs=max_seqs,
         block_size=block_size,
         kv_dtype=kv_dtype,
         main_kv_blocks=main_kv_blocks,
     )
+
+
+def kv_row_spec(cfg: DrafterConfig) -> tuple[int, int, int | None]:
+    """``(heads, key width, value_dim)`` of a cache row: GQA ``(Nkv, D, None)`` (separate K and
+    V rows); MLA ``(1, kv_lora_rank + qk_rope_head_dim, kv_lora_rank)``, the latent and the RoPE
+    key in one row whose latent is also the value (DeepSeek-V3: 576 values per token, 1152 bytes
+    in BF16, against 128 heads * (192 + 128) = 40960 values expanded)."""
+    if cfg.mla is not None:
+        return 1, cfg.mla.latent_width, cfg.mla.kv_lora_rank
+    return cfg.num_key_value_heads, cfg.head_dim, None

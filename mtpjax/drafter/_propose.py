@@ -72,13 +72,16 @@ from mtpjax.drafter._params import (
     as_modules,
     check_prefill_support,
     effective_num_drafts,
+    kv_row_spec,
 )
 from mtpjax.drafter._trim import _check_state, module_trims, rows_written
 from mtpjax.head import LMHeadParams
 from mtpjax.kv import PagedKVCache, WindowError, append
 from mtpjax.kv.state import DrafterState, drop_newest, newest_key, put_rows
+from mtpjax.layers import mla
 from mtpjax.layers.attention import output_projection, project_q
 from mtpjax.layers.decoder import ffn_residual
+from mtpjax.layers.mla import MlaParams
 from pallas_kernels.implementation import Implementation
 
 DEFAULT_CHUNK = 256
@@ -149,13 +152,19 @@ class ProposeOutput:
 
 
 def paged_attention(
-    q: jax.Array, cache: PagedKVCache, *, implementation=Implementation.AUTO
+    q: jax.Array,
+    cache: PagedKVCache,
+    *,
+    scale: float | None = None,
+    implementation=Implementation.AUTO,
 ) -> jax.Array:
-    """One query row per sequence over its paged context: q [B, Nq, D] -> f32[B, Nq, D].
+    """One query row per sequence over its paged context: q [B, Nq, D] -> f32[B, Nq, Dv].
 
     Sequence b attends to its rows ``0 .. seq_len[b]-1`` (dequantised), GQA as in ``attend``,
     through ``pallas_kernels.paged_attention`` (its reference on XLA, the Triton kernel where it
-    reads the pool). The drafter's only attention call.
+    reads the pool; a latent pool's rows, whose value is the key row's first ``value_dim``
+    dims, always take the reference). ``scale`` of q.k, default ``D**-0.5``. The drafter's only
+    attention call.
     """
     chex.assert_rank(q, 3)
     pool = cache.pool
@@ -165,20 +174,32 @@ def paged_attention(
         pool.v,
         cache.block_table,
         cache.seq_len,
-        scale=q.shape[-1] ** -0.5,
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
         k_scale=pool.k_scale,  # FP8 pools: per (row, head); None for BF16
         v_scale=pool.v_scale,
+        value_dim=pool.value_dim,
         implementation=implementation,
     )
 
 
-def _decode_row(module, head, cache, x, a, positions, *, cfg, head_cfg, implementation):
-    """The rest of a row whose K/V is already in ``cache``: x, a [B, H] at positions [B]."""
-    attn = module.layer.attention
+def _attend_row(attn, cache, a, positions, *, cfg, implementation) -> jax.Array:
+    """The attention output f32[B, H] of rows a [B, H] at positions [B] over ``cache``."""
     kw = dict(implementation=implementation)
+    if isinstance(attn, MlaParams):
+        # Absorbed MLA: the query meets the latent rows as stored, never expanded.
+        q = mla.absorbed_query(attn, a[:, None], positions[:, None], cfg, **kw)[:, 0]
+        ctx = paged_attention(q, cache, scale=mla.softmax_scale(cfg), **kw)  # [B, Nq, L]
+        return mla.absorbed_output(attn, ctx, cfg, **kw)
     q, gate = project_q(attn, a[:, None], positions[:, None], cfg, **kw)
     ctx = paged_attention(q[:, 0], cache, **kw)  # [B, Nq, D]
-    x = x + output_projection(attn, ctx, None if gate is None else gate[:, 0], **kw)
+    return output_projection(attn, ctx, None if gate is None else gate[:, 0], **kw)
+
+
+def _decode_row(module, head, cache, x, a, positions, *, cfg, head_cfg, implementation):
+    """The rest of a row whose K/V is already in ``cache``: x, a [B, H] at positions [B]."""
+    kw = dict(implementation=implementation)
+    attn = module.layer.attention
+    x = x + _attend_row(attn, cache, a, positions, cfg=cfg, implementation=implementation)
     x = ffn_residual(module.layer, x, cfg=cfg, **kw)
     return output_head(module, head, x, cfg=cfg, head_cfg=head_cfg, **kw)
 
@@ -197,8 +218,11 @@ def _record(state, m, cache, len_before, first_key, tokens) -> DrafterState:
     return dataclasses.replace(state, kv=kv, row_keys=tuple(row_keys), row_tokens=row_tokens)
 
 
-def _shift_left(x: jax.Array, skip: jax.Array) -> jax.Array:
-    """x[b, t + skip[b]] along axis 1 (clamped at the end): [B, T, ...] -> [B, T, ...]."""
+def _shift_left(x: jax.Array | None, skip: jax.Array) -> jax.Array | None:
+    """x[b, t + skip[b]] along axis 1 (clamped at the end): [B, T, ...] -> [B, T, ...] (None,
+    a latent pool's absent value rows, stays None)."""
+    if x is None:
+        return None
     T = x.shape[1]
     idx = jnp.clip(jnp.arange(T, dtype=jnp.int32)[None, :] + skip[:, None], 0, T - 1)
     idx = idx.reshape(idx.shape + (1,) * (x.ndim - 2))
@@ -218,11 +242,14 @@ def _check_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, num_mod
         raise ValueError(
             f"the state has {state.num_modules} module states, the drafter {num_modules} modules"
         )
+    heads, width, value_dim = kv_row_spec(cfg)
     for m, (cache, keys) in enumerate(zip(state.kv, state.row_keys)):
-        if cache.pool.k.shape[-2:] != (cfg.num_key_value_heads, cfg.head_dim):
+        found = (*cache.pool.k.shape[-2:], cache.pool.value_dim)
+        if found != (heads, width, value_dim):
             raise ValueError(
-                f"module {m}'s KV pool holds rows of {tuple(cache.pool.k.shape[-2:])} (kv heads, "
-                f"head dim); the drafter needs ({cfg.num_key_value_heads}, {cfg.head_dim})"
+                f"module {m}'s KV pool holds rows of {found} (kv heads, head dim, value_dim); "
+                f"the drafter needs {(heads, width, value_dim)} (drafter.pool_config(cfg, ...) "
+                "makes its pool)"
             )
         chex.assert_shape(keys, (B, cache.max_rows_per_seq))
     if not isinstance(pairs, Pairs):
@@ -489,7 +516,7 @@ def propose(
     *,
     cfg: DrafterConfig,
     num_drafts: int,
-    hidden_contract: HiddenContract = HiddenContract.POST_NORM,
+    hidden_contract: HiddenContract | None = None,
     bitmask: jax.Array | None = None,
     confidence_threshold: float | jax.Array | None = None,
     head_cfg: LMHeadConfig | None = None,
@@ -506,7 +533,8 @@ def propose(
       cfg: static drafter config. num_drafts: static int >= 1; K = ``effective_num_drafts``
         (the single head: num_drafts; CLAMP: ``min(num_drafts, N)``; CYCLE: a multiple of N).
       hidden_contract: static; what steps 1.. consume (POST_NORM: h_out; PRE_NORM: the pre-norm
-        residual; PINNED: the anchor's target hidden).
+        residual; PINNED: the anchor's target hidden); None: the family's
+        ``cfg.hidden_contract`` (DeepSeek: PRE_NORM, Qwen: POST_NORM).
       bitmask: optional grammar mask, packed int32[B, W] (every draft) or [B, K, W] (per draft;
         ``[B, num_drafts, W]`` is cut to the first K); bit ``j % 32`` of word ``j // 32``
         allows token j. Applied before the argmax.
@@ -524,6 +552,8 @@ def propose(
     """
     modules = as_modules(params, cfg)
     K = effective_num_drafts(modules.num_modules, num_drafts, modules.schedule)
+    if hidden_contract is None:
+        hidden_contract = cfg.hidden_contract
     if not isinstance(hidden_contract, HiddenContract):
         raise TypeError(f"hidden_contract must be a HiddenContract, got {hidden_contract!r}")
     head_cfg = resolve_head_cfg(cfg, head_cfg)

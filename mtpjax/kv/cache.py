@@ -130,12 +130,13 @@ def row_address(cache: PagedKVCache, positions: jax.Array) -> tuple[jax.Array, j
 
 
 def append(
-    cache: PagedKVCache, k: jax.Array, v: jax.Array, num_new: jax.Array
+    cache: PagedKVCache, k: jax.Array, v: jax.Array | None, num_new: jax.Array
 ) -> tuple[PagedKVCache, jax.Array]:
     """Appends rows `k[b, :num_new[b]]`, `v[b, :num_new[b]]` to each sequence.
 
     Args:
-      k, v: [B, T, H, D] candidate rows (rows t >= num_new[b] are ignored).
+      k, v: [B, T, H, D] candidate rows (rows t >= num_new[b] are ignored); v is None for a
+        latent pool (MLA: the value is the key row's leading `value_dim` dims).
       num_new: int32[B] rows to append, 0 <= num_new <= T.
 
     Returns:
@@ -153,7 +154,7 @@ def append(
         block.reshape(-1),
         slot.reshape(-1),
         k.reshape(B * T, *k.shape[2:]),
-        v.reshape(B * T, *v.shape[2:]),
+        None if v is None else v.reshape(B * T, *v.shape[2:]),
     )
     seq_len = cache.seq_len + jnp.where(ok, num_new, 0)
     return dataclasses.replace(cache, pool=pool, seq_len=seq_len), ok
@@ -184,8 +185,9 @@ def free(cache: PagedKVCache, mask: jax.Array) -> PagedKVCache:
 def gather(cache: PagedKVCache, length: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Dense view of each sequence's first `length` rows, dequantised.
 
-    Returns k, v: f32[B, length, H, D] and valid: bool[B, length] (row < seq_len). Rows past a
-    sequence's length hold whatever the pool has; mask them with `valid`.
+    Returns k, v: f32[B, length, H, D] (v of a latent pool: k's first `value_dim` dims) and
+    valid: bool[B, length] (row < seq_len). Rows past a sequence's length hold whatever the pool
+    has; mask them with `valid`.
     """
     B = cache.block_table.shape[0]
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (B, length))

@@ -24,6 +24,7 @@ from mtpjax.config import FfnKind
 from mtpjax.layers.attention import AttentionParams
 from mtpjax.layers.decoder import DecoderLayerParams
 from mtpjax.layers.ffn import DenseFfnParams, MoeFfnParams
+from mtpjax.layers.mla import MlaParams, mla_from_named, mla_leaf_rows
 from mtpjax.weights import Precision, Projection, projection_format, quantize
 
 # Logical axis -> mesh axis (or axes, or None = replicated); axes a table omits replicate.
@@ -42,6 +43,8 @@ class Leaf:
       axes: one logical axis name per dimension of ``shape`` (None: never sharded).
       role: projection role (decides the storage format), or None for a bf16 array.
       embedding: a bf16 embedding table (``role`` is None).
+      f32: an f32 array rather than bf16 (the router's score-correction bias, which checkpoints
+        keep in F32 because expert choice compares it with sigmoid scores).
     """
 
     name: str
@@ -50,6 +53,7 @@ class Leaf:
     axes: tuple[str | None, ...]
     role: Projection | None = None
     embedding: bool = False
+    f32: bool = False
 
 
 def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
@@ -59,12 +63,18 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
     q_width = "num_attention_heads * head_dim" + (" * 2" if cfg.attn_output_gate else "")
     kv, o = "num_key_value_heads * head_dim", "num_attention_heads * head_dim"
     q, kv_, o_ = ("heads", "embed"), ("kv_heads", "embed"), ("embed", "heads")
-    rows = [
-        ("self_attn.q_proj", (cfg.q_proj_width, H), f"[{q_width}, hidden_size]", q, P.Q_PROJ),
-        ("self_attn.k_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", kv_, P.K_PROJ),
-        ("self_attn.v_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", kv_, P.V_PROJ),
-        ("self_attn.o_proj", (H, cfg.num_attention_heads * D), f"[hidden_size, {o}]", o_, P.O_PROJ),
-    ]
+    mla = getattr(cfg, "mla", None)
+    if mla is not None:
+        rows = mla_leaf_rows(cfg)
+    else:
+        rows = [
+            ("self_attn.q_proj", (cfg.q_proj_width, H), f"[{q_width}, hidden_size]", q, P.Q_PROJ),
+            ("self_attn.k_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", kv_, P.K_PROJ),
+            ("self_attn.v_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", kv_, P.V_PROJ),
+            ("self_attn.o_proj", (H, cfg.num_attention_heads * D), f"[hidden_size, {o}]", o_,
+             P.O_PROJ),
+        ]  # fmt: skip
+    f32 = set()
     if cfg.qk_norm:
         norms = ("self_attn.q_norm", "self_attn.k_norm")
         rows += [(n, (D,), "[head_dim]", ("head_dim",), None) for n in norms]
@@ -76,20 +86,31 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
         rows.append(
             ("mlp.gate", (E, H), "[num_experts, hidden_size]", ("experts", "embed"), P.ROUTER)
         )
+        if moe.score_correction_bias:
+            bias = "mlp.gate.e_score_correction_bias"
+            rows.append((bias, (E,), "[num_experts]", ("experts",), None))
+            f32.add(bias)
         I, i = moe.moe_intermediate_size, "moe_intermediate_size"
         rows += _ffn_rows("mlp.experts", (E,), I, i, H, (P.EXPERTS,) * 3)
         if moe.has_shared_expert:
             S, s = moe.shared_expert_intermediate_size, "shared_expert_intermediate_size"
-            rows += _ffn_rows("mlp.shared_expert", (), S, s, H, (P.SHARED_EXPERT,) * 3)
+            rows += _ffn_rows(shared_expert_name(cfg), (), S, s, H, (P.SHARED_EXPERT,) * 3)
             if moe.shared_expert_gate:
                 gate = (None, "embed"), P.SHARED_EXPERT_GATE
                 rows.append(("mlp.shared_expert_gate", (1, H), "[1, hidden_size]", *gate))
     norms = ("input_layernorm", "post_attention_layernorm")
     rows += [(n, (H,), "[hidden_size]", ("embed",), None) for n in norms]
     return tuple(
-        Leaf(name=name, shape=shape, what=what, axes=axes, role=role)
+        Leaf(name=name, shape=shape, what=what, axes=axes, role=role, f32=name in f32)
         for name, shape, what, axes, role in rows
     )
+
+
+def shared_expert_name(cfg: Any) -> str:
+    """Where the shared expert lives: ``mlp.shared_experts`` in the NextN families (DeepSeek,
+    GLM: ``n_shared_experts`` experts fused into one), ``mlp.shared_expert`` in Qwen's."""
+    nextn = getattr(cfg, "first_mtp_layer", None) is not None
+    return "mlp.shared_experts" if nextn else "mlp.shared_expert"
 
 
 def _ffn_rows(base, lead, width, width_what, H, roles) -> list[tuple]:
@@ -119,18 +140,25 @@ def layer_from_named(named: Mapping[str, Any], prefix: str, *, cfg: Any) -> Deco
         ffn = MoeFfnParams(
             router=named[f"{mlp}.gate"],
             experts=_ffn(named, f"{mlp}.experts"),
-            shared_expert=_ffn(named, f"{mlp}.shared_expert")
+            shared_expert=_ffn(named, prefix + shared_expert_name(cfg))
             if cfg.moe.has_shared_expert
             else None,
             shared_expert_gate=named.get(f"{mlp}.shared_expert_gate"),
+            score_correction_bias=named[f"{mlp}.gate.e_score_correction_bias"]
+            if cfg.moe.score_correction_bias
+            else None,
         )
-    return DecoderLayerParams(
-        input_layernorm=named[f"{prefix}input_layernorm"],
-        attention=AttentionParams(
+    if getattr(cfg, "mla", None) is not None:
+        attention: AttentionParams | MlaParams = mla_from_named(named, attn)
+    else:
+        attention = AttentionParams(
             **{p: named[f"{attn}.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
             q_norm=named.get(f"{attn}.q_norm"),
             k_norm=named.get(f"{attn}.k_norm"),
-        ),
+        )
+    return DecoderLayerParams(
+        input_layernorm=named[f"{prefix}input_layernorm"],
+        attention=attention,
         post_attention_layernorm=named[f"{prefix}post_attention_layernorm"],
         ffn=ffn,
     )
@@ -170,19 +198,25 @@ def with_normal_draws[T](key: jax.Array, build: Callable[[Draw], T]) -> T:
     return build(draw)
 
 
-def init_leaf(leaf: Leaf, draw: Draw, precision: Precision, *, dense_ffn: bool) -> Any:
+def init_leaf(
+    leaf: Leaf, draw: Draw, precision: Precision, *, dense_ffn: bool, norm_offset: float = 0.0
+) -> Any:
     """A random value for ``leaf``.
 
     Projections: std ``1/sqrt(K)``, stored per ``projection_format``; with unit-RMS inputs
     (every projection reads a normed or O(1) vector) the outputs stay O(1). Norms: bf16
-    N(0, 0.1^2), small but non-zero, since a zero-centred norm with w = 0 is the identity and
-    would hide a wrong ``(1 + w)`` vs ``w`` convention from every test. Embeddings: bf16 N(0, 1).
+    ``norm_offset + N(0, 0.1^2)``, small but non-zero, since a zero-centred norm with w = 0 is
+    the identity and would hide a wrong ``(1 + w)`` vs ``w`` convention from every test (a
+    plain ``x / rms * w`` norm takes ``norm_offset = 1``). Embeddings: bf16 N(0, 1). F32
+    leaves (a routing bias): f32 N(0, 0.1^2).
     """
     x = draw(leaf.shape)
     if leaf.role is not None:
         fmt = projection_format(leaf.role, precision, dense_ffn=dense_ffn)
         return quantize(x * leaf.shape[-1] ** -0.5, fmt)
-    return (x if leaf.embedding else 0.1 * x).astype(jnp.bfloat16)
+    if leaf.f32:
+        return 0.1 * x
+    return (x if leaf.embedding else norm_offset + 0.1 * x).astype(jnp.bfloat16)
 
 
 def partition_spec(value: Any, axes: tuple[str | None, ...], rules: Rules) -> Any:

@@ -74,26 +74,29 @@ def project_q(
     return _norm_rope(q, params.q_norm, positions, cfg), gate
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, scale: float | None = None
+) -> jax.Array:
     """Masked GQA softmax attention in F32, the reference for every attention path.
 
-    q: [B, Tq, Nq, D]; k, v: [B, Tk, Nkv, D]; mask: bool[B, Tq, Tk] (True = attend).
-    Query head h reads KV head h // (Nq // Nkv). A row with nothing to attend gives zeros.
-    Returns f32[B, Tq, Nq, D].
+    q: [B, Tq, Nq, D]; k: [B, Tk, Nkv, D]; v: [B, Tk, Nkv, Dv]; mask: bool[B, Tq, Tk] (True =
+    attend); ``scale`` of q.k, default ``D**-0.5``. Query head h reads KV head h // (Nq // Nkv).
+    A row with nothing to attend gives zeros. Returns f32[B, Tq, Nq, Dv].
     """
     B, Tq, Nq, D = q.shape
     Nkv = k.shape[-2]
+    scale = D**-0.5 if scale is None else scale
     q = q.astype(jnp.float32).reshape(B, Tq, Nkv, Nq // Nkv, D)
     # HIGHEST: this is the F32 reference; a GPU's default would round the operands to TF32.
     hi = jax.lax.Precision.HIGHEST
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(jnp.float32), precision=hi) * (D**-0.5)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k.astype(jnp.float32), precision=hi) * scale
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     peak = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0))
     denom = jnp.sum(weights, axis=-1, keepdims=True)
     weights = weights / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32), precision=hi)
-    return out.reshape(B, Tq, Nq, D)
+    return out.reshape(B, Tq, Nq, v.shape[-1])
 
 
 def output_projection(

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from mtpjax.layers.attention import AttentionParams, causal_self_attention
 from mtpjax.layers.ffn import DenseFfnParams, MoeFfnParams, dense_ffn, moe_ffn
+from mtpjax.layers.mla import MlaParams, mla_causal_attention
 from mtpjax.layers.norms import rms_norm
 
 __all__ = ["DecoderLayerParams", "apply_ffn", "decoder_layer", "ffn_residual", "input_norm"]
@@ -35,13 +36,14 @@ __all__ = ["DecoderLayerParams", "apply_ffn", "decoder_layer", "ffn_residual", "
 class DecoderLayerParams:
     """Attributes:
     input_layernorm: [H] norm weight before attention.
-    attention: q/k/v/o projections and the q/k head norms.
+    attention: q/k/v/o projections and the q/k head norms, or MLA's (``mtpjax.layers.mla``;
+      the type selects the attention).
     post_attention_layernorm: [H] norm weight before the FFN.
     ffn: a dense SwiGLU FFN or a routed MoE (the type selects the forward).
     """
 
     input_layernorm: jax.Array
-    attention: AttentionParams
+    attention: AttentionParams | MlaParams
     post_attention_layernorm: jax.Array
     ffn: DenseFfnParams | MoeFfnParams
 
@@ -62,11 +64,16 @@ def apply_ffn(
     if isinstance(ffn, MoeFfnParams):
         if cfg.moe is None:
             raise ValueError("MoE FFN weights were given but the config has no MoeConfig (moe)")
+        moe = cfg.moe
         return moe_ffn(
             ffn,
             y,
-            top_k=cfg.moe.num_experts_per_tok,
-            normalize=cfg.moe.norm_topk_prob,
+            top_k=moe.num_experts_per_tok,
+            normalize=moe.norm_topk_prob,
+            scoring=moe.scoring,
+            n_group=moe.n_group,
+            topk_group=moe.topk_group,
+            routed_scaling_factor=moe.routed_scaling_factor,
             implementation=implementation,
         )
     if isinstance(ffn, DenseFfnParams):
@@ -97,7 +104,8 @@ def decoder_layer(
     """
     x = x.astype(jnp.float32)
     a = input_norm(params, x, cfg=cfg)
-    x = x + causal_self_attention(
-        params.attention, a, positions, cfg, implementation=implementation
+    attention = (
+        mla_causal_attention if isinstance(params.attention, MlaParams) else causal_self_attention
     )
+    x = x + attention(params.attention, a, positions, cfg, implementation=implementation)
     return ffn_residual(params, x, cfg=cfg, implementation=implementation)

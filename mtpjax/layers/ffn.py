@@ -1,7 +1,12 @@
-"""Feed-forward blocks: SwiGLU dense FFN and the Qwen-style MoE with a gated shared expert.
+"""Feed-forward blocks: SwiGLU dense FFN and the routed MoE with an optional shared expert.
+
+Routers: Qwen's softmax over all experts then top-k; DeepSeek's / GLM's sigmoid scores, with the
+``e_score_correction_bias`` added for the choice only and the choice restricted to the best
+``topk_group`` of ``n_group`` expert groups (a group scored by the sum of its top-2 biased
+scores), weighted by the unbiased scores and ``routed_scaling_factor``.
 
 Shapes: `[T]` rows (any leading dims are flattened), `H` hidden, `I` expert width, `E` experts,
-`k` experts per token.
+`k` experts per token, `G` expert groups.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mtpjax.config import RouterScoring
 from mtpjax.weights import Weight, linear
 
 
@@ -29,12 +35,14 @@ class DenseFfnParams:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoeFfnParams:
     """router: [E, H]; experts: DenseFfnParams stacked on a leading [E] axis;
-    shared_expert: DenseFfnParams or None; shared_expert_gate: [1, H] or None."""
+    shared_expert: DenseFfnParams or None; shared_expert_gate: [1, H] or None;
+    score_correction_bias: f32[E] (DeepSeek/GLM ``e_score_correction_bias``) or None."""
 
     router: Weight
     experts: DenseFfnParams
     shared_expert: DenseFfnParams | None = None
     shared_expert_gate: Weight | None = None
+    score_correction_bias: jax.Array | None = None
 
     @property
     def num_experts(self) -> int:
@@ -50,31 +58,81 @@ def dense_ffn(params: DenseFfnParams, y: jax.Array, *, implementation="auto") ->
     )
 
 
-def route(router_logits: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Softmax over all experts in F32, then top-k (renormalised to sum 1 when `normalize`).
+def route(
+    router_logits: jax.Array,
+    *,
+    top_k: int,
+    normalize: bool,
+    scoring: RouterScoring = RouterScoring.SOFTMAX,
+    correction_bias: jax.Array | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Expert weights and ids of each row: router_logits [T, E] -> (f32[T, k], int32[T, k]).
 
-    router_logits: [T, E] -> (weights f32[T, k], expert ids int32[T, k]).
+    Scores are ``softmax`` or ``sigmoid`` of the logits in F32. The choice ranks the scores plus
+    ``correction_bias`` f32[E] (when given) among the experts of the ``topk_group`` best of
+    ``n_group`` contiguous groups (with ``n_group > 1``: a group's rank is the sum of its two
+    best biased scores); the weights are the chosen experts' unbiased scores, divided by their
+    sum when ``normalize``, times ``routed_scaling_factor``.
     """
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+    logits = router_logits.astype(jnp.float32)
+    if scoring is RouterScoring.SOFTMAX:
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if n_group > 1:
+        T, E = choice.shape
+        grouped = choice.reshape(T, n_group, E // n_group)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, best = jax.lax.top_k(group_scores, topk_group)
+        keep = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, E // n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        # The reference's guard: sigmoid weights can all be ~0 (softmax ones never are).
+        tiny = 0.0 if scoring is RouterScoring.SOFTMAX else 1e-20
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + tiny)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return weights, ids
 
 
 def moe_ffn(
-    params: MoeFfnParams, y: jax.Array, *, top_k: int, normalize: bool, implementation="auto"
+    params: MoeFfnParams,
+    y: jax.Array,
+    *,
+    top_k: int,
+    normalize: bool,
+    scoring: RouterScoring = RouterScoring.SOFTMAX,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    implementation="auto",
 ) -> jax.Array:
-    """sum_k w_k * expert_k(y) + sigmoid(shared_gate(y)) * shared(y): [..., H] -> f32[..., H].
+    """sum_k w_k * expert_k(y) + [sigmoid(shared_gate(y))] * shared(y): [..., H] -> f32[..., H].
 
-    With few rows (decode: T*k <= E) only the chosen experts' weights are gathered and read;
-    otherwise every expert runs on every row and the routing weights select (prefill, training).
+    Routing as ``route`` (with ``params.score_correction_bias``). With few rows (decode:
+    T*k <= E) only the chosen experts' weights are gathered and read; otherwise every expert
+    runs on every row and the routing weights select (prefill, training).
     """
     lead, H = y.shape[:-1], y.shape[-1]
     y2 = y.reshape(-1, H)
     T = y2.shape[0]
     logits = linear(y2, params.router, out_dtype=jnp.float32, implementation=implementation)
-    weights, ids = route(logits, top_k=top_k, normalize=normalize)
+    weights, ids = route(
+        logits,
+        top_k=top_k,
+        normalize=normalize,
+        scoring=scoring,
+        correction_bias=params.score_correction_bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=routed_scaling_factor,
+    )
     expert = functools.partial(dense_ffn, implementation=implementation)
     if T * top_k <= params.num_experts:
         chosen = jax.tree.map(lambda a: a[ids.reshape(-1)], params.experts)

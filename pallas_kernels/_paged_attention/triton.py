@@ -171,8 +171,11 @@ def supported_on(device) -> bool:
     return device.platform == "gpu"
 
 
-def supports(q: jax.Array, k_pool: jax.Array) -> str | None:
-    """Why the kernel cannot take these operands, or None when it can."""
+def supports(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array | None = None) -> str | None:
+    """Why the kernel cannot take these operands, or None when it can (``v_pool`` None: latent
+    rows, whose value is part of the key row)."""
+    if v_pool is None:
+        return "the kernel reads separate K and V pools; latent rows (MLA) take the reference"
     d, bs = q.shape[-1], k_pool.shape[1]
     if d < 16 or not C.is_pow2(d) or not C.is_pow2(bs):
         return f"the kernel needs a power-of-two head_dim >= 16 and block_size (got {d}, {bs})"
@@ -198,7 +201,7 @@ def paged_attention(
     ``out_dtype`` (f32 or bf16); shapes and FP8 scales as in the module docstring, ``scale`` the
     softmax scale of q.k."""
     check_operands(q, k_pool, v_pool, block_tables, lengths, k_scale, v_scale)
-    if (reason := supports(q, k_pool)) is not None:
+    if (reason := supports(q, k_pool, v_pool)) is not None:
         raise ValueError(reason)
     bsz, n_q, d = q.shape
     nb, bs, n_kv, _ = k_pool.shape
