@@ -229,6 +229,9 @@ class MoeConfig(KeywordOnly):
         check_divides(self, "n_group", "num_experts")
         check_int("topk_group", self.topk_group, minimum=1)
         check_at_most(self, "topk_group", "n_group")
+        if self.score_correction_bias and self.n_group > 1 and self.num_experts < 2 * self.n_group:
+            # Such a group's value is the sum of its two best biased scores.
+            raise fail("n_group", self.n_group, "at most num_experts / 2 with a correction bias")
         reachable = self.topk_group * (self.num_experts // self.n_group)
         if self.num_experts_per_tok > reachable:
             raise fail(
@@ -276,22 +279,17 @@ _QWEN_FAMILY = (Architecture.QWEN3_NEXT, Architecture.QWEN3_5)
 
 _NOT_IMPLEMENTED = {
     Architecture.DEEPSEEK_V3: (
-        "the DeepSeek-V3 MTP layer uses MLA attention and a sigmoid-routed, group-limited MoE, "
-        "which the drafter does not implement yet"
-    ),
-    Architecture.GLM4_MOE: (
-        "the GLM-4.5 MTP layer (plain RMSNorm, q/k/v bias, sigmoid-routed MoE with "
-        "e_score_correction_bias) is not implemented by the drafter yet"
-    ),
-    Architecture.MIMO: (
-        "the MiMo MTP layer (Qwen2 layer with q/k/v bias, plain RMSNorm, input_proj over "
-        "concat[hidden, token]) is not implemented by the drafter yet"
+        "the DeepSeek-V3 MTP layer uses MLA attention, which the drafter does not implement yet"
     ),
     Architecture.MINIMAX_M2: (
         "the MiniMax-M2 MTP modules are not implemented by the drafter, and the published "
         "MiniMax-M2 checkpoints carry no MTP tensors"
     ),
 }
+
+# NextN-style modules (DeepSeek-V3, GLM-4.5): `model.layers.{num_hidden_layers + i}` with
+# `enorm`, `hnorm`, `eh_proj`, `shared_head.norm`, shared experts under `mlp.shared_experts`.
+_NEXTN_FAMILY = (Architecture.DEEPSEEK_V3, Architecture.GLM4_MOE)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -435,26 +433,13 @@ class DrafterConfig(KeywordOnly):
     @property
     def unsupported_reason(self) -> str | None:
         """Why the drafter cannot run this config, or None when it can."""
-        if self.architecture not in _QWEN_FAMILY:
+        if self.architecture in _NOT_IMPLEMENTED:
             return _NOT_IMPLEMENTED[self.architecture]
         problems = []
         if self.mla is not None:
             problems.append("MLA attention")
-        if not self.zero_centered_norm:
-            problems.append("plain (non zero-centred) RMSNorm")
-        if self.attention_bias:
-            problems.append("q/k/v projection bias")
-        if self.input_order is not InputOrder.EMBED_FIRST:
-            problems.append(f"input order {self.input_order.value}")
         if self.rope_type != "default":
             problems.append(f"rope_type {self.rope_type!r} (only 'default' RoPE)")
-        if self.moe is not None:
-            if self.moe.scoring is not RouterScoring.SOFTMAX:
-                problems.append(f"{self.moe.scoring.value} router scoring")
-            if self.moe.score_correction_bias:
-                problems.append("router score-correction bias")
-            if self.moe.n_group != 1:
-                problems.append("group-limited top-k routing")
         if self.mtp_layers_per_module != 1:
             problems.append(f"{self.mtp_layers_per_module} layers per MTP module")
         if not problems:
@@ -463,8 +448,27 @@ class DrafterConfig(KeywordOnly):
 
     @property
     def runnable(self) -> bool:
-        """True when the drafter implements this config (the Qwen3-Next/Qwen3.5 family)."""
+        """True when the drafter implements this config (Qwen3-Next/3.5, GLM-4.5, MiMo)."""
         return self.unsupported_reason is None
+
+    @property
+    def default_hidden_contract(self) -> HiddenContract:
+        """The hidden draft steps 1.. chain by default: POST_NORM for every family.
+
+        Qwen3-Next/3.5: vLLM's ``qwen3_next_mtp`` projects the tensor it chains, ``mtp.norm``'s
+        output. MiMo: its module ends in ``final_layernorm`` and vLLM's ``mimo_mtp`` (and
+        Xiaomi's own ``MiMoMTPLayers``) hand that output to the LM head unchanged. GLM-4.5/4.6:
+        SGLang's ``glm4_moe_nextn`` ends the module in ``shared_head.norm`` and chains its
+        output; vLLM first chained the pre-norm residual (``compute_logits`` applied the norm)
+        and later changed its GLM / DeepSeek MTP to chain the post-norm hidden, which is what
+        draft step 0 reads too (the target's final-norm output).
+        """
+        return HiddenContract.POST_NORM
+
+    @property
+    def shared_expert_prefix(self) -> str:
+        """Checkpoint name of the MoE layer's shared expert, relative to the layer."""
+        return "mlp.shared_experts" if self.architecture in _NEXTN_FAMILY else "mlp.shared_expert"
 
     # ---- construction --------------------------------------------------------------------
 

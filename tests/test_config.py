@@ -477,7 +477,9 @@ def test_glm45():
     assert m.routed_scaling_factor == 2.5
     assert c.zero_embedding_at_position_0 and not c.zero_centered_norm
     assert c.rms_norm_eps == 1e-5
-    assert not c.runnable and "GLM" in c.unsupported_reason
+    assert c.shared_expert_prefix == "mlp.shared_experts"
+    assert c.runnable and c.unsupported_reason is None
+    assert c.default_hidden_contract is HiddenContract.POST_NORM
 
 
 def test_glm45_air_without_qk_norm():
@@ -495,7 +497,8 @@ def test_mimo_7b():
     assert c.input_order is InputOrder.HIDDEN_FIRST
     assert c.zero_embedding_at_position_0
     assert c.rope_theta == 640000.0
-    assert not c.runnable and "MiMo" in c.unsupported_reason
+    assert c.runnable and c.unsupported_reason is None
+    assert c.default_hidden_contract is HiddenContract.POST_NORM
 
 
 def test_minimax_m2():
@@ -719,9 +722,6 @@ def test_tiny_configs_are_valid_and_runnable():
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (dict(zero_centered_norm=False), "zero-centred"),
-        (dict(attention_bias=True), "bias"),
-        (dict(input_order=InputOrder.HIDDEN_FIRST), "hidden_first"),
         (dict(rope_type="yarn"), "rope_type 'yarn'"),
         (dict(mtp_layers_per_module=2), "layers per MTP module"),
     ],
@@ -732,15 +732,32 @@ def test_qwen_family_features_outside_the_drafter_are_reported(overrides, needle
     assert needle in c.unsupported_reason
 
 
-def test_qwen_moe_with_sigmoid_routing_is_not_runnable():
+def test_layer_features_of_other_families_run_in_any_family():
+    # One layer implements them all: plain norms, q/k/v bias, MiMo's input order, sigmoid
+    # group-limited routing with the correction bias.
     moe = dataclasses.replace(
         DrafterConfig.tiny(ffn=FfnKind.MOE).moe,
         scoring=RouterScoring.SIGMOID,
         score_correction_bias=True,
+        n_group=2,
+        topk_group=1,
     )
-    c = DrafterConfig.tiny(ffn=FfnKind.MOE, moe=moe)
-    assert "sigmoid router scoring" in c.unsupported_reason
-    assert "score-correction bias" in c.unsupported_reason
+    c = DrafterConfig.tiny(
+        ffn=FfnKind.MOE,
+        moe=moe,
+        zero_centered_norm=False,
+        attention_bias=True,
+        input_order=InputOrder.HIDDEN_FIRST,
+    )
+    assert c.runnable and c.unsupported_reason is None
+
+
+def test_grouped_correction_routing_needs_two_experts_per_group():
+    base = DrafterConfig.tiny(ffn=FfnKind.MOE).moe
+    with pytest.raises(ValueError, match="n_group=4: expected at most num_experts / 2"):
+        dataclasses.replace(
+            base, score_correction_bias=True, n_group=4, topk_group=2, num_experts_per_tok=1
+        )
 
 
 def test_qwen_with_yarn_rope_from_hf_is_not_runnable():

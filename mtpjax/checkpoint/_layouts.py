@@ -21,9 +21,12 @@ Families:
                         ``mlp.experts.down_proj [E, H, I]``); runnable.
   DeepSeek-V3, GLM-4.5  module ``i`` is ``model.layers.{num_hidden_layers + i}.*`` (``enorm``,
                         ``hnorm``, ``eh_proj``, a full layer, ``shared_head.{norm, head}``);
-                        converted as a named tensor tree, not runnable yet.
+                        converted as a named tensor tree under the source names (experts
+                        stacked); GLM-4.5 runnable (``shared_head.head`` and a module's own
+                        ``embed_tokens`` are kept but unused: the target's head serves).
   MiMo                  ``model.mtp_layers.{i}.*`` (``token_layernorm``, ``hidden_layernorm``,
-                        ``input_proj``, ``final_layernorm``, a Qwen2 layer); named tree.
+                        ``input_proj``, ``final_layernorm``, a Qwen2 layer); named tree,
+                        runnable.
   MiniMax-M2            its published weights hold no MTP tensors: converting fails, naming the
                         prefixes searched.
 
@@ -43,7 +46,7 @@ import jax
 from mtpjax.checkpoint._formats import companion_names
 from mtpjax.checkpoint._safetensors_io import CheckpointError, SafetensorsCheckpoint
 from mtpjax.config import Architecture, DrafterConfig
-from mtpjax.drafter import DrafterParams, from_named, module_leaves
+from mtpjax.drafter import DrafterParams, from_named, module_leaves, module_prefix
 from mtpjax.head import LMHeadParams
 from mtpjax.layers import Leaf
 from mtpjax.weights import Projection, parse_projection
@@ -472,17 +475,27 @@ class DrafterCheckpoint:
         return len(self.modules)
 
 
-def assemble(named: Mapping[str, Any], cfg: DrafterConfig) -> DrafterCheckpoint:
-    """Builds the runnable drafter from converted tensors by name (Qwen layouts).
+def assemble(
+    named: Mapping[str, Any], cfg: DrafterConfig, prefixes: Sequence[str] | None = None
+) -> DrafterCheckpoint:
+    """Builds the runnable drafter from converted tensors by name.
 
     ``named`` maps converted names to weights / arrays (or to stand-ins such as
-    ``jax.ShapeDtypeStruct``, which is how the loader derives shardings and abstract shapes).
+    ``jax.ShapeDtypeStruct``, which is how the loader derives shardings and abstract shapes);
+    ``prefixes[i]`` is where module ``i``'s tensors live (the manifest's ``mtp_prefixes``;
+    default ``drafter.module_prefix``, which a NextN checkpoint must not rely on).
     """
-    if cfg.architecture not in (Architecture.QWEN3_NEXT, Architecture.QWEN3_5):
+    if not cfg.runnable:
         raise ValueError(
             f"no drafter layout for {cfg.architecture.value}: {cfg.unsupported_reason}"
         )
-    modules = tuple(from_named(named, cfg, i) for i in range(cfg.num_mtp_modules))
+    if prefixes is None:
+        prefixes = [module_prefix(cfg, i) for i in range(cfg.num_mtp_modules)]
+    if len(prefixes) != cfg.num_mtp_modules:
+        raise ValueError(
+            f"{len(prefixes)} module prefixes for cfg.num_mtp_modules={cfg.num_mtp_modules}"
+        )
+    modules = tuple(from_named(named, cfg, i, prefix=p) for i, p in enumerate(prefixes))
     head = LMHeadParams(
         weight=named[HEAD_WEIGHT],
         embedding=named[HEAD_EMBEDDING],

@@ -195,11 +195,18 @@ def _check_twin(manifest: Path, record: TensorRecord, twin: TensorRecord | None)
         )
 
 
-def _check_described(manifest: Path, cfg: DrafterConfig, abstract: Mapping[str, Any]) -> None:
-    """Every leaf the drafter's description of ``cfg`` names is recorded at its logical shape
-    (KeyError for a missing record)."""
-    for i in range(cfg.num_mtp_modules):
-        for name, leaf in module_leaves(cfg, i):
+def _check_described(
+    manifest: Path, cfg: DrafterConfig, prefixes: tuple[str, ...], abstract: Mapping[str, Any]
+) -> None:
+    """Every leaf the drafter's description of ``cfg`` names (module ``i`` under
+    ``prefixes[i]``) is recorded at its logical shape (KeyError for a missing record)."""
+    if len(prefixes) != cfg.num_mtp_modules:
+        raise CheckpointError(
+            f"{manifest}: {len(prefixes)} MTP module prefixes recorded, config.json declares "
+            f"{cfg.num_mtp_modules} modules; convert the checkpoint again"
+        )
+    for i, prefix in enumerate(prefixes):
+        for name, leaf in module_leaves(cfg, i, prefix=prefix):
             found = tuple(abstract[name].shape)
             if found != leaf.shape:
                 raise CheckpointError(
@@ -222,8 +229,8 @@ def load_drafter(
       path: the converted checkpoint directory.
       sharding: where the leaves go: a ``jax.sharding.Sharding`` applied to every leaf, a
         callable from leaf path to sharding (None for the default), or None (first device).
-      allow_unrunnable: for a family the drafter does not run yet (DeepSeek-V3, GLM-4.5, MiMo),
-        return its converted tensors by name instead of raising.
+      allow_unrunnable: for a family the drafter does not run yet (DeepSeek-V3's MLA,
+        MiniMax-M2), return its converted tensors by name instead of raising.
       mtp_vocab_size: passed to ``DrafterConfig.from_hf_config`` (a reduced draft vocab).
       verify: check every restored array against the sha256 in the manifest (a host copy and
         a hash of every byte; ``verify=False`` skips it).
@@ -249,8 +256,8 @@ def load_drafter(
     abstract = {r.name: _build(r, specs[r.name]) for r in manifest.tensors}
     try:
         if cfg.runnable:
-            _check_described(path / MANIFEST_FILE, cfg, abstract)
-        structure = assemble(abstract, cfg) if cfg.runnable else abstract
+            _check_described(path / MANIFEST_FILE, cfg, manifest.mtp_prefixes, abstract)
+        structure = assemble(abstract, cfg, manifest.mtp_prefixes) if cfg.runnable else abstract
     except KeyError as err:
         raise CheckpointError(
             f"{path / MANIFEST_FILE}: no record of tensor {err.args[0]!r}, which the "
@@ -284,5 +291,5 @@ def load_drafter(
                 _verify(path, record, restored[record.name])
     named = {r.name: _build(r, restored[r.name]) for r in manifest.tensors}
     if cfg.runnable:
-        return cfg, assemble(named, cfg)
+        return cfg, assemble(named, cfg, manifest.mtp_prefixes)
     return cfg, named

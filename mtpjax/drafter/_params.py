@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from mtpjax.config import DrafterConfig, FfnKind
+from mtpjax.config import Architecture, DrafterConfig, FfnKind
 from mtpjax.kv import KVDtype, PoolConfig
 from mtpjax.layers import (
     Leaf,
@@ -54,14 +54,15 @@ from mtpjax.weights import (
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterParams:
-    """One MTP head (checkpoint names in brackets).
+    """One MTP head (checkpoint names in brackets: Qwen; NextN (DeepSeek-V3, GLM-4.5); MiMo).
 
     Attributes:
-      fc: [H, 2H] over ``concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]`` (mtp.fc).
-      pre_fc_norm_embedding: [H] (mtp.pre_fc_norm_embedding).
-      pre_fc_norm_hidden: [H] (mtp.pre_fc_norm_hidden).
-      layer: the decoder layer (mtp.layers.0.*).
-      norm: [H] final norm producing h_out (mtp.norm).
+      fc: [H, 2H] over the two normed inputs, concatenated in ``cfg.input_order`` (mtp.fc;
+        eh_proj; input_proj).
+      pre_fc_norm_embedding: [H] (mtp.pre_fc_norm_embedding; enorm; token_layernorm).
+      pre_fc_norm_hidden: [H] (mtp.pre_fc_norm_hidden; hnorm; hidden_layernorm).
+      layer: the decoder layer (mtp.layers.{i}.*; the module's own prefix).
+      norm: [H] final norm producing h_out (mtp.norm; shared_head.norm; final_layernorm).
       embed_tokens: bf16[V, H] dedicated MTP embedding, or None to use the target's
         (``mtp_use_dedicated_embeddings``).
     """
@@ -96,16 +97,64 @@ def init(
     return _init(cfg, key, parse_precision(precision))
 
 
+# Each family's names for the module-level leaves (the fields of DrafterParams), relative to
+# where they live: Qwen's ``mtp.`` (shared by every module), a NextN or MiMo module's prefix.
+_MODULE_NAMES = {
+    "qwen": dict(
+        fc="fc",
+        pre_fc_norm_embedding="pre_fc_norm_embedding",
+        pre_fc_norm_hidden="pre_fc_norm_hidden",
+        norm="norm",
+    ),
+    "nextn": dict(
+        fc="eh_proj",
+        pre_fc_norm_embedding="enorm",
+        pre_fc_norm_hidden="hnorm",
+        norm="shared_head.norm",
+    ),
+    "mimo": dict(
+        fc="input_proj",
+        pre_fc_norm_embedding="token_layernorm",
+        pre_fc_norm_hidden="hidden_layernorm",
+        norm="final_layernorm",
+    ),
+}
+
+
+def _naming(cfg: DrafterConfig) -> str:
+    if cfg.architecture in (Architecture.DEEPSEEK_V3, Architecture.GLM4_MOE):
+        return "nextn"
+    return "mimo" if cfg.architecture is Architecture.MIMO else "qwen"
+
+
+def module_prefix(cfg: DrafterConfig, index: int) -> str:
+    """Where MTP module ``index``'s own tensors live by default: ``mtp.layers.{i}.`` (Qwen),
+    ``model.mtp_layers.{i}.`` (MiMo). A NextN module sits at ``model.layers.{num_hidden_layers
+    + i}.``, which the config does not carry: pass the converted checkpoint's ``mtp_prefixes``
+    (its default here, ``mtp.layers.{i}.``, only names leaves consistently for ``init``)."""
+    return f"model.mtp_layers.{index}." if _naming(cfg) == "mimo" else f"mtp.layers.{index}."
+
+
 def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
-    """The leaves every module of a checkpoint shares (names relative to ``mtp.``), in the
-    initialiser's draw order; a module's own layer is ``layer_leaves(cfg)``."""
+    """The module-level leaves (input projection, its two norms, the final norm, a dedicated
+    embedding), named as the family's checkpoint names them, in the initialiser's draw order;
+    Qwen's are shared by every module (under ``mtp.``), a NextN / MiMo module owns its own. A
+    module's layer is ``layer_leaves(cfg)``."""
     H = cfg.hidden_size
+    names = _MODULE_NAMES[_naming(cfg)]
     fc_what = "[hidden_size, 2 * hidden_size]"
     fc = Leaf(
-        name="fc", shape=(H, 2 * H), what=fc_what, axes=("embed", "fc_in"), role=Projection.FC
+        name=names["fc"],
+        shape=(H, 2 * H),
+        what=fc_what,
+        axes=("embed", "fc_in"),
+        role=Projection.FC,
     )
     norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
-    leaves = [fc, *(Leaf(name=n, shape=(H,), what="[hidden_size]", axes=("embed",)) for n in norms)]
+    leaves = [
+        fc,
+        *(Leaf(name=names[n], shape=(H,), what="[hidden_size]", axes=("embed",)) for n in norms),
+    ]
     if cfg.mtp_use_dedicated_embeddings:
         what = "[vocab_size, hidden_size] (mtp_use_dedicated_embeddings)"
         axes = ("vocab_in", "embed")
@@ -117,26 +166,40 @@ def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
     return tuple(leaves)
 
 
-def module_leaves(cfg: DrafterConfig, index: int) -> tuple[tuple[str, Leaf], ...]:
-    """``(checkpoint name, leaf)`` for every leaf of MTP module ``index``: the shared ``mtp.*``
-    leaves and its layer ``mtp.layers.{index}.*``."""
-    layer = f"mtp.layers.{index}."
+def _module_base(cfg: DrafterConfig, prefix: str) -> str:
+    """Where the module-level leaves of the module at ``prefix`` live."""
+    return "mtp." if _naming(cfg) == "qwen" else prefix
+
+
+def module_leaves(
+    cfg: DrafterConfig, index: int, *, prefix: str | None = None
+) -> tuple[tuple[str, Leaf], ...]:
+    """``(checkpoint name, leaf)`` for every leaf of MTP module ``index``, whose own tensors are
+    under ``prefix`` (default ``module_prefix(cfg, index)``): the module-level leaves (Qwen's
+    shared ``mtp.*``) and its decoder layer ``{prefix}*``."""
+    prefix = module_prefix(cfg, index) if prefix is None else prefix
+    base = _module_base(cfg, prefix)
     return (
-        *((f"mtp.{leaf.name}", leaf) for leaf in shared_leaves(cfg)),
-        *((layer + leaf.name, leaf) for leaf in layer_leaves(cfg)),
+        *((base + leaf.name, leaf) for leaf in shared_leaves(cfg)),
+        *((prefix + leaf.name, leaf) for leaf in layer_leaves(cfg)),
     )
 
 
-def from_named(named: Mapping[str, Any], cfg: DrafterConfig, index: int = 0) -> DrafterParams:
-    """MTP module ``index`` from ``named[checkpoint name]`` (weights, arrays, or stand-ins such as
-    ``jax.ShapeDtypeStruct`` or PartitionSpecs); a missing required leaf raises KeyError."""
+def from_named(
+    named: Mapping[str, Any], cfg: DrafterConfig, index: int = 0, *, prefix: str | None = None
+) -> DrafterParams:
+    """MTP module ``index`` (its tensors under ``prefix`` as in ``module_leaves``) from
+    ``named[checkpoint name]`` (weights, arrays, or stand-ins such as ``jax.ShapeDtypeStruct``
+    or PartitionSpecs); a missing required leaf raises KeyError."""
+    prefix = module_prefix(cfg, index) if prefix is None else prefix
+    base, names = _module_base(cfg, prefix), _MODULE_NAMES[_naming(cfg)]
     return DrafterParams(
-        fc=named["mtp.fc"],
-        pre_fc_norm_embedding=named["mtp.pre_fc_norm_embedding"],
-        pre_fc_norm_hidden=named["mtp.pre_fc_norm_hidden"],
-        layer=layer_from_named(named, f"mtp.layers.{index}.", cfg=cfg),
-        norm=named["mtp.norm"],
-        embed_tokens=named.get("mtp.embed_tokens"),
+        fc=named[base + names["fc"]],
+        pre_fc_norm_embedding=named[base + names["pre_fc_norm_embedding"]],
+        pre_fc_norm_hidden=named[base + names["pre_fc_norm_hidden"]],
+        layer=layer_from_named(named, prefix, cfg=cfg),
+        norm=named[base + names["norm"]],
+        embed_tokens=named.get(base + "embed_tokens") if cfg.mtp_use_dedicated_embeddings else None,
     )
 
 

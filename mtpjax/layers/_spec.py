@@ -65,6 +65,12 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
         ("self_attn.v_proj", (cfg.kv_width, H), f"[{kv}, hidden_size]", kv_, P.V_PROJ),
         ("self_attn.o_proj", (H, cfg.num_attention_heads * D), f"[hidden_size, {o}]", o_, P.O_PROJ),
     ]
+    if getattr(cfg, "attention_bias", False):
+        rows += [
+            ("self_attn.q_proj.bias", (cfg.q_proj_width,), f"[{q_width}]", ("heads",), None),
+            ("self_attn.k_proj.bias", (cfg.kv_width,), f"[{kv}]", ("kv_heads",), None),
+            ("self_attn.v_proj.bias", (cfg.kv_width,), f"[{kv}]", ("kv_heads",), None),
+        ]
     if cfg.qk_norm:
         norms = ("self_attn.q_norm", "self_attn.k_norm")
         rows += [(n, (D,), "[head_dim]", ("head_dim",), None) for n in norms]
@@ -76,11 +82,14 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
         rows.append(
             ("mlp.gate", (E, H), "[num_experts, hidden_size]", ("experts", "embed"), P.ROUTER)
         )
+        if moe.score_correction_bias:
+            bias = "mlp.gate.e_score_correction_bias"
+            rows.append((bias, (E,), "[num_experts]", ("experts",), None))
         I, i = moe.moe_intermediate_size, "moe_intermediate_size"
         rows += _ffn_rows("mlp.experts", (E,), I, i, H, (P.EXPERTS,) * 3)
         if moe.has_shared_expert:
             S, s = moe.shared_expert_intermediate_size, "shared_expert_intermediate_size"
-            rows += _ffn_rows("mlp.shared_expert", (), S, s, H, (P.SHARED_EXPERT,) * 3)
+            rows += _ffn_rows(_shared_expert(cfg), (), S, s, H, (P.SHARED_EXPERT,) * 3)
             if moe.shared_expert_gate:
                 gate = (None, "embed"), P.SHARED_EXPERT_GATE
                 rows.append(("mlp.shared_expert_gate", (1, H), "[1, hidden_size]", *gate))
@@ -90,6 +99,11 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
         Leaf(name=name, shape=shape, what=what, axes=axes, role=role)
         for name, shape, what, axes, role in rows
     )
+
+
+def _shared_expert(cfg: Any) -> str:
+    # Qwen names it `mlp.shared_expert`, DeepSeek / GLM `mlp.shared_experts`.
+    return getattr(cfg, "shared_expert_prefix", "mlp.shared_expert")
 
 
 def _ffn_rows(base, lead, width, width_what, H, roles) -> list[tuple]:
@@ -113,16 +127,20 @@ def layer_from_named(named: Mapping[str, Any], prefix: str, *, cfg: Any) -> Deco
     """The layer whose leaves are ``named[prefix + leaf.name]`` (weights, arrays or stand-ins
     such as ``jax.ShapeDtypeStruct`` or axes); a missing required leaf raises KeyError."""
     attn, mlp = f"{prefix}self_attn", f"{prefix}mlp"
+    bias = getattr(cfg, "attention_bias", False)
     if cfg.ffn is FfnKind.DENSE:
         ffn: DenseFfnParams | MoeFfnParams = _ffn(named, mlp)
     else:
         ffn = MoeFfnParams(
             router=named[f"{mlp}.gate"],
             experts=_ffn(named, f"{mlp}.experts"),
-            shared_expert=_ffn(named, f"{mlp}.shared_expert")
+            shared_expert=_ffn(named, prefix + _shared_expert(cfg))
             if cfg.moe.has_shared_expert
             else None,
             shared_expert_gate=named.get(f"{mlp}.shared_expert_gate"),
+            correction_bias=named[f"{mlp}.gate.e_score_correction_bias"]
+            if cfg.moe.score_correction_bias
+            else None,
         )
     return DecoderLayerParams(
         input_layernorm=named[f"{prefix}input_layernorm"],
@@ -130,6 +148,7 @@ def layer_from_named(named: Mapping[str, Any], prefix: str, *, cfg: Any) -> Deco
             **{p: named[f"{attn}.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
             q_norm=named.get(f"{attn}.q_norm"),
             k_norm=named.get(f"{attn}.k_norm"),
+            **{f"{p}_bias": named[f"{attn}.{p}_proj.bias"] if bias else None for p in "qkv"},
         ),
         post_attention_layernorm=named[f"{prefix}post_attention_layernorm"],
         ffn=ffn,

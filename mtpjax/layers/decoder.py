@@ -1,4 +1,4 @@
-"""One pre-norm transformer decoder layer (gated GQA attention + dense or MoE FFN), residual form.
+"""One pre-norm transformer decoder layer (GQA attention + dense or MoE FFN), residual form.
 
     a = input_layernorm(x);            x = x + o_proj(attn(a) * sigmoid(gate))
     y = post_attention_layernorm(x);   x = x + ffn(y)
@@ -10,8 +10,8 @@ paths cannot drift apart.
 Shapes: ``[B]`` sequences, ``[T]`` rows, ``H`` hidden; everything returned is F32.
 
 ``cfg`` is any object with the attention attributes listed in ``mtpjax.layers.attention`` plus
-``rms_norm_eps``, ``zero_centered_norm`` and ``moe`` (a ``MoeConfig`` for MoE layers:
-``num_experts_per_tok`` and ``norm_topk_prob`` drive the routing). The layer's leaves are
+``rms_norm_eps``, ``zero_centered_norm`` and ``moe`` (a ``MoeConfig`` for MoE layers, which
+drives the routing). The layer's leaves are
 described in ``mtpjax.layers._spec``.
 """
 
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.layers.attention import AttentionParams, causal_self_attention
-from mtpjax.layers.ffn import DenseFfnParams, MoeFfnParams, dense_ffn, moe_ffn
+from mtpjax.layers.ffn import DenseFfnParams, MoeFfnParams, dense_ffn, moe_ffn, router_options
 from mtpjax.layers.norms import rms_norm
 
 __all__ = ["DecoderLayerParams", "apply_ffn", "decoder_layer", "ffn_residual", "input_norm"]
@@ -62,13 +62,7 @@ def apply_ffn(
     if isinstance(ffn, MoeFfnParams):
         if cfg.moe is None:
             raise ValueError("MoE FFN weights were given but the config has no MoeConfig (moe)")
-        return moe_ffn(
-            ffn,
-            y,
-            top_k=cfg.moe.num_experts_per_tok,
-            normalize=cfg.moe.norm_topk_prob,
-            implementation=implementation,
-        )
+        return moe_ffn(ffn, y, implementation=implementation, **router_options(cfg.moe))
     if isinstance(ffn, DenseFfnParams):
         return dense_ffn(ffn, y, implementation=implementation)
     raise TypeError(f"ffn must be DenseFfnParams or MoeFfnParams, got {type(ffn).__name__}")

@@ -1,7 +1,12 @@
-"""Feed-forward blocks: SwiGLU dense FFN and the Qwen-style MoE with a gated shared expert.
+"""Feed-forward blocks: SwiGLU dense FFN and the routed MoE with an optional shared expert.
+
+One MoE for every family; the router's scoring is a choice (``MoeConfig``): Qwen's softmax
+top-k, or DeepSeek-V3 / GLM-4.5's sigmoid scores with the score-correction bias added for the
+choice only, group-limited to the best ``topk_group`` of ``n_group`` expert groups and scaled
+by ``routed_scaling_factor``. Qwen gates its shared expert by a sigmoid; GLM adds it ungated.
 
 Shapes: `[T]` rows (any leading dims are flattened), `H` hidden, `I` expert width, `E` experts,
-`k` experts per token.
+`k` experts per token, `G` expert groups.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from mtpjax.config import MoeConfig, RouterScoring
 from mtpjax.weights import Weight, linear
 
 
@@ -29,12 +35,14 @@ class DenseFfnParams:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoeFfnParams:
     """router: [E, H]; experts: DenseFfnParams stacked on a leading [E] axis;
-    shared_expert: DenseFfnParams or None; shared_expert_gate: [1, H] or None."""
+    shared_expert: DenseFfnParams or None; shared_expert_gate: [1, H] or None;
+    correction_bias: [E] the router's ``e_score_correction_bias`` or None."""
 
     router: Weight
     experts: DenseFfnParams
     shared_expert: DenseFfnParams | None = None
     shared_expert_gate: Weight | None = None
+    correction_bias: jax.Array | None = None
 
     @property
     def num_experts(self) -> int:
@@ -50,22 +58,77 @@ def dense_ffn(params: DenseFfnParams, y: jax.Array, *, implementation="auto") ->
     )
 
 
-def route(router_logits: jax.Array, *, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """Softmax over all experts in F32, then top-k (renormalised to sum 1 when `normalize`).
+def route(
+    router_logits: jax.Array,
+    *,
+    top_k: int,
+    normalize: bool,
+    scoring: RouterScoring = RouterScoring.SOFTMAX,
+    correction_bias: jax.Array | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    scaling: float = 1.0,
+) -> tuple[jax.Array, jax.Array]:
+    """Expert weights and ids of each row, in F32.
+
+    Scores are ``softmax`` over all experts or a per-expert ``sigmoid`` of the logits. The
+    top-k is taken over the scores plus ``correction_bias`` [E] (selection only: the weights
+    are the scores themselves), among the experts of the ``topk_group`` best of ``n_group``
+    equal groups (a group's value: the sum of its two best biased scores with a correction
+    bias, as DeepSeek-V3 / GLM-4.5's ``noaux_tc``; else its best score). The weights are
+    renormalised to sum 1 when ``normalize`` and then multiplied by ``scaling``.
 
     router_logits: [T, E] -> (weights f32[T, k], expert ids int32[T, k]).
     """
-    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+    logits = router_logits.astype(jnp.float32)
+    if scoring is RouterScoring.SOFTMAX:
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if n_group > 1:
+        T, E = choice.shape
+        grouped = choice.reshape(T, n_group, E // n_group)
+        if correction_bias is None:
+            group_value = jnp.max(grouped, axis=-1)
+        else:
+            group_value = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        _, best = jax.lax.top_k(group_value, topk_group)  # [T, topk_group]
+        keep = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], best].set(True)
+        choice = jnp.where(jnp.repeat(keep, E // n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
     if normalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids
+        # The epsilon only guards an all-zero sigmoid top-k (softmax weights are never zero).
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def router_options(moe: MoeConfig) -> dict:
+    """``route``'s keyword options for a ``MoeConfig`` (all but the correction bias)."""
+    return dict(
+        top_k=moe.num_experts_per_tok,
+        normalize=moe.norm_topk_prob,
+        scoring=moe.scoring,
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        scaling=moe.routed_scaling_factor,
+    )
 
 
 def moe_ffn(
-    params: MoeFfnParams, y: jax.Array, *, top_k: int, normalize: bool, implementation="auto"
+    params: MoeFfnParams,
+    y: jax.Array,
+    *,
+    top_k: int,
+    normalize: bool,
+    implementation="auto",
+    **routing,
 ) -> jax.Array:
-    """sum_k w_k * expert_k(y) + sigmoid(shared_gate(y)) * shared(y): [..., H] -> f32[..., H].
+    """sum_k w_k * expert_k(y) + [sigmoid(shared_gate(y))] * shared(y): [..., H] -> f32[..., H].
+
+    ``routing``: ``route``'s other options (``scoring``, ``n_group``, ``topk_group``,
+    ``scaling``); the correction bias is ``params.correction_bias``.
 
     With few rows (decode: T*k <= E) only the chosen experts' weights are gathered and read;
     otherwise every expert runs on every row and the routing weights select (prefill, training).
@@ -74,7 +137,13 @@ def moe_ffn(
     y2 = y.reshape(-1, H)
     T = y2.shape[0]
     logits = linear(y2, params.router, out_dtype=jnp.float32, implementation=implementation)
-    weights, ids = route(logits, top_k=top_k, normalize=normalize)
+    weights, ids = route(
+        logits,
+        top_k=top_k,
+        normalize=normalize,
+        correction_bias=params.correction_bias,
+        **routing,
+    )
     expert = functools.partial(dense_ffn, implementation=implementation)
     if T * top_k <= params.num_experts:
         chosen = jax.tree.map(lambda a: a[ids.reshape(-1)], params.experts)
