@@ -1,11 +1,12 @@
 """``generate`` with GLM-4.5 and MiMo drafters, one module or several (``DrafterModules``):
 greedy speculation equals plain greedy decoding token for token on the full-attention reference
-target (CPU; tiny random pairs, few tokens; the loop's other properties are in
-test_generate.py)."""
+target (CPU; tiny random pairs, few tokens, and the converted GLM fixture; the loop's other
+properties are in test_generate.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,12 @@ import pytest
 import mtpjax
 from mtpjax import drafter as drafter_lib
 from mtpjax import reference
+from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.config import Architecture, DrafterConfig, FfnKind, InputOrder, MoeConfig, RouterScoring
 from mtpjax.head import from_arrays
 from mtpjax.weights import Bf16Weight
 
+FIXTURES = Path(__file__).parent / "fixtures" / "nextn"
 H, V, N_NEW = 64, 128, 10
 TARGET_STD = 0.1
 TARGET = reference.TargetConfig(
@@ -154,30 +157,44 @@ def test_generate_checks_the_module_count(target):
     params, head = target
     model = mtpjax.reference_target(TARGET, params, head)
     drafter = _predictive(GLM, jax.random.key(2))
-    cfg = dataclasses.replace(GLM, num_mtp_modules=3)
+
+    def run(drafter, cfg):
+        prompt, length = np.zeros((1, 3), np.int32), np.array([3], np.int32)
+        kw = dict(head_cfg=TARGET.lm_head_config(), max_new_tokens=2, num_drafts=2)
+        mtpjax.generate(model, drafter, head, prompt, length, drafter_cfg=cfg, **kw)
+
+    three = dataclasses.replace(GLM, num_mtp_modules=3)
     with pytest.raises(
         ValueError, match=r"DrafterModules holds 2 modules but cfg\.num_mtp_modules=3"
     ):
-        mtpjax.generate(
-            model,
-            drafter,
-            head,
-            np.zeros((1, 3), np.int32),
-            np.array([3], np.int32),
-            drafter_cfg=cfg,
-            head_cfg=TARGET.lm_head_config(),
-            max_new_tokens=2,
-            num_drafts=2,
-        )
+        run(drafter, three)
     with pytest.raises(TypeError, match=r"DrafterParams .* or DrafterModules"):
-        mtpjax.generate(
-            model,
-            drafter.modules,
-            head,
-            np.zeros((1, 3), np.int32),
-            np.array([3], np.int32),
-            drafter_cfg=GLM,
-            head_cfg=TARGET.lm_head_config(),
-            max_new_tokens=2,
-            num_drafts=2,
-        )
+        run(drafter.modules, GLM)
+
+
+def test_converted_glm_checkpoint_generates_exactly(tmp_path):
+    """The GLM fixture (two NextN modules, tests/fixtures/nextn) through convert and
+    load_drafter, as ``DrafterModules.from_checkpoint``, on a reference target of its widths."""
+    convert(FIXTURES / "glm4_moe", tmp_path / "glm", precision="keep", progress=False)
+    cfg, ckpt = load_drafter(tmp_path / "glm")
+    tcfg = dataclasses.replace(
+        TARGET,
+        hidden_size=cfg.hidden_size,
+        head_dim=12,
+        partial_rotary_factor=0.5,
+        vocab_size=cfg.vocab_size,
+    )
+    params = reference.init(tcfg, key=jax.random.key(4), std=TARGET_STD)
+    model = mtpjax.reference_target(tcfg, params, ckpt.head)
+    drafter = drafter_lib.DrafterModules.from_checkpoint(ckpt)
+    prompts = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 5)).astype(np.int32)
+    lengths = np.array([5, 2], np.int32)
+    kw = dict(head_cfg=tcfg.lm_head_config(), max_new_tokens=6)
+    spec = mtpjax.generate(
+        model, drafter, ckpt.head, prompts, lengths, drafter_cfg=cfg, num_drafts=2, **kw
+    )
+    base = mtpjax.generate_baseline(model, ckpt.head, prompts, lengths, step_width=3, **kw)
+    spec, base = jax.device_get((spec, base))
+    np.testing.assert_array_equal(spec.tokens, base.tokens)
+    np.testing.assert_array_equal(spec.kv_error, 0)
+    assert int(spec.metrics.num_draft_tokens) == 2 * int(spec.metrics.num_drafts) > 0
