@@ -596,7 +596,8 @@ def test_glm_and_mimo_load_as_runnable_drafters(tmp_path, family, num_mtp):
             )
         else:
             np.testing.assert_array_equal(
-                np.asarray(ffn.correction_bias), tensors[p + "mlp.gate.e_score_correction_bias"]
+                np.asarray(ffn.score_correction_bias),
+                tensors[p + "mlp.gate.e_score_correction_bias"],
             )
             shared = tensors[p + "mlp.shared_experts.down_proj.weight"]
             assert _bits(ffn.shared_expert.down_proj.w) == shared.view(np.uint16).tobytes()

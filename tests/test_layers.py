@@ -122,10 +122,12 @@ def test_moe_without_shared_expert():
     np.testing.assert_allclose(got, _np_moe(params, y, 2, True), rtol=1e-4, atol=1e-4)
 
 
-def _np_grouped_sigmoid_route(logits, bias, *, top_k, n_group, topk_group, scaling, normalize):
+def _np_grouped_sigmoid_route(
+    logits, bias, *, top_k, n_group, topk_group, routed_scaling_factor, normalize
+):
     """DeepSeek-V3 / GLM-4.5 ``noaux_tc`` per row, written as loops: sigmoid scores; biased
     scores choose the groups (value: the sum of a group's two best) and the experts; the
-    weights are the unbiased scores, renormalised, times ``scaling``."""
+    weights are the unbiased scores, renormalised, times ``routed_scaling_factor``."""
     E = logits.shape[-1]
     per = E // n_group
     weights, ids = [], []
@@ -139,7 +141,7 @@ def _np_grouped_sigmoid_route(logits, bias, *, top_k, n_group, topk_group, scali
         w = scores[chosen]
         if normalize:
             w = w / w.sum()
-        weights.append(w * scaling)
+        weights.append(w * routed_scaling_factor)
         ids.append(chosen)
     return np.array(weights), np.array(ids)
 
@@ -151,7 +153,7 @@ def test_grouped_sigmoid_routing_with_correction_bias_matches_numpy(normalize):
     logits = rng.standard_normal((T, E)).astype(np.float32) * 2
     # A bias large enough to change choices: selection must read it, the weights must not.
     bias = (rng.standard_normal(E) * 0.5).astype(np.float32)
-    kw = dict(top_k=3, n_group=4, topk_group=2, scaling=2.5)
+    kw = dict(top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
     w, ids = layers.route(
         jnp.asarray(logits),
         normalize=normalize,

@@ -89,7 +89,7 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
         rows += _ffn_rows("mlp.experts", (E,), I, i, H, (P.EXPERTS,) * 3)
         if moe.has_shared_expert:
             S, s = moe.shared_expert_intermediate_size, "shared_expert_intermediate_size"
-            rows += _ffn_rows(_shared_expert(cfg), (), S, s, H, (P.SHARED_EXPERT,) * 3)
+            rows += _ffn_rows(shared_expert_name(cfg), (), S, s, H, (P.SHARED_EXPERT,) * 3)
             if moe.shared_expert_gate:
                 gate = (None, "embed"), P.SHARED_EXPERT_GATE
                 rows.append(("mlp.shared_expert_gate", (1, H), "[1, hidden_size]", *gate))
@@ -101,8 +101,9 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
     )
 
 
-def _shared_expert(cfg: Any) -> str:
-    # Qwen names it `mlp.shared_expert`, DeepSeek / GLM `mlp.shared_experts`.
+def shared_expert_name(cfg: Any) -> str:
+    """Where the shared expert lives: ``mlp.shared_experts`` in DeepSeek / GLM,
+    ``mlp.shared_expert`` in Qwen."""
     return getattr(cfg, "shared_expert_prefix", "mlp.shared_expert")
 
 
@@ -134,11 +135,11 @@ def layer_from_named(named: Mapping[str, Any], prefix: str, *, cfg: Any) -> Deco
         ffn = MoeFfnParams(
             router=named[f"{mlp}.gate"],
             experts=_ffn(named, f"{mlp}.experts"),
-            shared_expert=_ffn(named, prefix + _shared_expert(cfg))
+            shared_expert=_ffn(named, prefix + shared_expert_name(cfg))
             if cfg.moe.has_shared_expert
             else None,
             shared_expert_gate=named.get(f"{mlp}.shared_expert_gate"),
-            correction_bias=named[f"{mlp}.gate.e_score_correction_bias"]
+            score_correction_bias=named[f"{mlp}.gate.e_score_correction_bias"]
             if cfg.moe.score_correction_bias
             else None,
         )

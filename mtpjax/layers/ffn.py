@@ -36,13 +36,13 @@ class DenseFfnParams:
 class MoeFfnParams:
     """router: [E, H]; experts: DenseFfnParams stacked on a leading [E] axis;
     shared_expert: DenseFfnParams or None; shared_expert_gate: [1, H] or None;
-    correction_bias: [E] the router's ``e_score_correction_bias`` or None."""
+    score_correction_bias: [E] the router's ``e_score_correction_bias`` or None."""
 
     router: Weight
     experts: DenseFfnParams
     shared_expert: DenseFfnParams | None = None
     shared_expert_gate: Weight | None = None
-    correction_bias: jax.Array | None = None
+    score_correction_bias: jax.Array | None = None
 
     @property
     def num_experts(self) -> int:
@@ -67,7 +67,7 @@ def route(
     correction_bias: jax.Array | None = None,
     n_group: int = 1,
     topk_group: int = 1,
-    scaling: float = 1.0,
+    routed_scaling_factor: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Expert weights and ids of each row, in F32.
 
@@ -76,7 +76,7 @@ def route(
     are the scores themselves), among the experts of the ``topk_group`` best of ``n_group``
     equal groups (a group's value: the sum of its two best biased scores with a correction
     bias, as DeepSeek-V3 / GLM-4.5's ``noaux_tc``; else its best score). The weights are
-    renormalised to sum 1 when ``normalize`` and then multiplied by ``scaling``.
+    renormalised to sum 1 when ``normalize`` and then multiplied by ``routed_scaling_factor``.
 
     router_logits: [T, E] -> (weights f32[T, k], expert ids int32[T, k]).
     """
@@ -101,7 +101,7 @@ def route(
     if normalize:
         # The epsilon only guards an all-zero sigmoid top-k (softmax weights are never zero).
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * scaling, ids
+    return weights * routed_scaling_factor, ids
 
 
 def router_options(moe: MoeConfig) -> dict:
@@ -112,7 +112,7 @@ def router_options(moe: MoeConfig) -> dict:
         scoring=moe.scoring,
         n_group=moe.n_group,
         topk_group=moe.topk_group,
-        scaling=moe.routed_scaling_factor,
+        routed_scaling_factor=moe.routed_scaling_factor,
     )
 
 
@@ -128,7 +128,7 @@ def moe_ffn(
     """sum_k w_k * expert_k(y) + [sigmoid(shared_gate(y))] * shared(y): [..., H] -> f32[..., H].
 
     ``routing``: ``route``'s other options (``scoring``, ``n_group``, ``topk_group``,
-    ``scaling``); the correction bias is ``params.correction_bias``.
+    ``routed_scaling_factor``); the correction bias is ``params.score_correction_bias``.
 
     With few rows (decode: T*k <= E) only the chosen experts' weights are gathered and read;
     otherwise every expert runs on every row and the routing weights select (prefill, training).
@@ -141,7 +141,7 @@ def moe_ffn(
         logits,
         top_k=top_k,
         normalize=normalize,
-        correction_bias=params.correction_bias,
+        correction_bias=params.score_correction_bias,
         **routing,
     )
     expert = functools.partial(dense_ffn, implementation=implementation)
