@@ -275,8 +275,6 @@ class MlaConfig(KeywordOnly):
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-_QWEN_FAMILY = (Architecture.QWEN3_NEXT, Architecture.QWEN3_5)
-
 _NOT_IMPLEMENTED = {
     Architecture.DEEPSEEK_V3: (
         "the DeepSeek-V3 MTP layer uses MLA attention, which the drafter does not implement yet"
