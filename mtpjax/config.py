@@ -232,13 +232,9 @@ class MoeConfig(KeywordOnly):
         check_divides(self, "n_group", "num_experts")
         check_int("topk_group", self.topk_group, minimum=1)
         check_at_most(self, "topk_group", "n_group")
-        if self.n_group > 1 and self.num_experts // self.n_group < 2:
-            raise fail(
-                "n_group",
-                self.n_group,
-                f"at most num_experts / 2 = {self.num_experts // 2} (a group is ranked by its "
-                "two best experts)",
-            )
+        if self.score_correction_bias and self.n_group > 1 and self.num_experts < 2 * self.n_group:
+            # Such a group's value is the sum of its two best biased scores.
+            raise fail("n_group", self.n_group, "at most num_experts / 2 with a correction bias")
         reachable = self.topk_group * (self.num_experts // self.n_group)
         if self.num_experts_per_tok > reachable:
             raise fail(
@@ -352,14 +348,6 @@ _QWEN_FAMILY = (Architecture.QWEN3_NEXT, Architecture.QWEN3_5)
 _NEXTN_FAMILY = (Architecture.DEEPSEEK_V3, Architecture.GLM4_MOE, Architecture.GLM4_MOE_LITE)
 
 _NOT_IMPLEMENTED = {
-    Architecture.GLM4_MOE: (
-        "the GLM-4.5 MTP layer (plain RMSNorm, q/k/v bias, sigmoid-routed MoE with "
-        "e_score_correction_bias) is not implemented by the drafter yet"
-    ),
-    Architecture.MIMO: (
-        "the MiMo MTP layer (Qwen2 layer with q/k/v bias, plain RMSNorm, input_proj over "
-        "concat[hidden, token]) is not implemented by the drafter yet"
-    ),
     Architecture.MINIMAX_M2: (
         "the MiniMax-M2 MTP modules are not implemented by the drafter, and the published "
         "MiniMax-M2 checkpoints carry no MTP tensors"
@@ -375,6 +363,13 @@ class DrafterConfig(KeywordOnly):
     details live in ``mla``. ``intermediate_size`` is the dense FFN width and is 0 when the MTP
     layer's FFN is a MoE. Qwen's ``mtp.layers.{i}`` count as ``num_mtp_modules`` (step ``i`` runs
     layer ``i``); they share ``fc`` and the norms, unlike DeepSeek-style independent modules.
+
+    ``default_hidden_contract`` is what draft steps 1.. chain when a call names none: POST_NORM
+    for every family, the hidden after the module's final norm (``mtp.norm``,
+    ``shared_head.norm``, ``final_layernorm``), which is what its ``hnorm`` was trained on and
+    what draft step 0 reads too (the target's final-norm output). Serving engines that chained
+    the pre-norm residual lost acceptance and switched: SGLang's ``deepseek_nextn`` always
+    chained the post-norm hidden, vLLM changed its DeepSeek / GLM MTP to it.
     """
 
     architecture: Architecture
@@ -396,9 +391,7 @@ class DrafterConfig(KeywordOnly):
     intermediate_size: int = 0
     moe: MoeConfig | None = None
     mla: MlaConfig | None = None
-    # The hidden draft steps 1.. consume unless a step is told otherwise: the one the family's
-    # reference engines chain (DeepSeek: the pre-norm residual, as vLLM's deepseek_mtp).
-    hidden_contract: HiddenContract = HiddenContract.POST_NORM
+    default_hidden_contract: HiddenContract = HiddenContract.POST_NORM  # see the docstring
     # NextN families: the index in `model.layers` of MTP module 0's layer (num_hidden_layers).
     first_mtp_layer: int | None = None
     # DeepSeek-V3.2's DSA: its lightning indexer keeps the top `index_topk` rows per query.
@@ -441,7 +434,7 @@ class DrafterConfig(KeywordOnly):
                 f"None for rope_type={self.rope_type!r} "
                 "(YarnScaling is the parameters of rope_type 'yarn')",
             )
-        check_enum("hidden_contract", self.hidden_contract, HiddenContract)
+        check_enum("default_hidden_contract", self.default_hidden_contract, HiddenContract)
         if self.first_mtp_layer is not None:
             check_int("first_mtp_layer", self.first_mtp_layer, minimum=0)
         if self.sparse_attention_topk is not None:
@@ -538,10 +531,6 @@ class DrafterConfig(KeywordOnly):
                 "DeepSeek-V3.2's sparse attention (DSA: a lightning indexer picks the top "
                 f"index_topk={self.sparse_attention_topk} rows each query attends to)"
             )
-        if self.attention_bias:
-            problems.append("q/k/v projection bias")
-        if self.input_order is not InputOrder.EMBED_FIRST:
-            problems.append(f"input order {self.input_order.value}")
         yarn = self.rope_type == "yarn" and self.mla is not None and self.rope_scaling is not None
         if self.rope_type != "default" and not yarn:
             problems.append(
@@ -550,18 +539,23 @@ class DrafterConfig(KeywordOnly):
             )
         if self.mla is not None and self.attn_output_gate:
             problems.append("an output-gated MLA attention")
+        if self.mla is not None and self.attention_bias:
+            problems.append("q/k/v bias on MLA projections")
         if self.mtp_layers_per_module != 1:
             problems.append(f"{self.mtp_layers_per_module} layers per MTP module")
-        if (self.architecture in _NEXTN_FAMILY) != (self.first_mtp_layer is not None):
-            problems.append("MTP modules without their NextN layer index (first_mtp_layer)")
+        nextn = self.architecture in _NEXTN_FAMILY
+        if nextn and self.first_mtp_layer is None:
+            problems.append("NextN modules without their layer index (first_mtp_layer)")
+        if not nextn and self.first_mtp_layer is not None:
+            problems.append(f"the NextN layout (first_mtp_layer) for {self.architecture.value}")
         if not problems:
             return None
         return "the drafter does not implement " + ", ".join(problems)
 
     @property
     def runnable(self) -> bool:
-        """True when the drafter implements this config (Qwen3-Next/Qwen3.5, DeepSeek-V3 and
-        GLM-4.7-Flash)."""
+        """True when the drafter implements this config (Qwen3-Next/3.5, DeepSeek-V3, GLM-4.5,
+        GLM-4.7-Flash, MiMo)."""
         return self.unsupported_reason is None
 
     # ---- construction --------------------------------------------------------------------
@@ -1020,10 +1014,6 @@ def _mla_nextn(view: ConfigView, mla: MlaConfig, moe: MoeConfig) -> dict[str, An
         num_mtp_modules=_mtp_count(view, "num_nextn_predict_layers"),
         first_mtp_layer=view.get_int("num_hidden_layers", minimum=1),
         zero_embedding_at_position_0=True,
-        # vLLM's deepseek_mtp hands the next step the layer's output before shared_head.norm
-        # (its forward returns the residual; compute_logits applies the norm), as DeepSeek's
-        # chained modules take the previous depth's transformer output.
-        hidden_contract=HiddenContract.PRE_NORM,
     )
 
 
@@ -1059,6 +1049,7 @@ def _parse_glm4_moe(view: ConfigView, model_type: str) -> dict[str, Any]:
         ffn=FfnKind.MOE,
         moe=_sigmoid_moe(view, experts_key=experts_key, correction_bias=True),
         num_mtp_modules=_mtp_count(view, "num_nextn_predict_layers"),
+        first_mtp_layer=view.get_int("num_hidden_layers", minimum=1),
         zero_embedding_at_position_0=True,
     )
 

@@ -59,7 +59,7 @@ import numpy as np
 from mtpjax import drafter as drafter_lib
 from mtpjax import reference
 from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig, configs_by_name
-from mtpjax.drafter import DrafterParams, Pairs
+from mtpjax.drafter import DrafterModules, DrafterParams, Pairs
 from mtpjax.head import LMHeadParams, lm_head
 from mtpjax.target_model import TargetModel
 from mtpjax.verify import SpecDecodeMetrics, verify
@@ -327,6 +327,10 @@ class _Loop:
     metrics: SpecDecodeMetrics | None = None
 
 
+def _first_module(drafter: DrafterParams | DrafterModules) -> DrafterParams:
+    return drafter.modules[0] if isinstance(drafter, DrafterModules) else drafter
+
+
 def _kv_precision(params: DrafterParams) -> str:
     """The pool precision rule's input: NVFP4 heads get an FP8 pool, others BF16."""
     q_format = drafter_lib.projection_formats(params)["q_proj"]
@@ -339,7 +343,7 @@ def _kv_precision(params: DrafterParams) -> str:
 
 def _start(
     target: TargetModel,
-    drafter: DrafterParams | None,
+    drafter: DrafterParams | DrafterModules | None,
     head: LMHeadParams,
     drafter_head: LMHeadParams | None,
     prompts: jax.Array,
@@ -380,11 +384,14 @@ def _start(
     if drafter is None:  # plain decoding
         return loop
 
-    # The drafter's rows of the prompt: pairs (t_{i+1}, h_i) for i = 0 .. P-2.
+    # The drafter's rows of the prompt: pairs (t_{i+1}, h_i) for i = 0 .. P-2, in module 0 (the
+    # other modules hold only the rows their own draft steps write).
+    first_module = _first_module(drafter)
     pool = drafter_lib.pool_config(
-        drafter_cfg, precision=_kv_precision(drafter), max_seq_len=max_len, max_seqs=B
+        drafter_cfg, precision=_kv_precision(first_module), max_seq_len=max_len, max_seqs=B
     )
-    state = drafter_lib.init_state(pool, num_seqs=B)
+    num_modules = drafter.num_modules if isinstance(drafter, DrafterModules) else 1
+    state = drafter_lib.init_state(pool, num_seqs=B, num_modules=num_modules)
     dkw = dict(cfg=drafter_cfg, implementation=implementation)
     if T > 1:
         prompt_pairs = Pairs(
@@ -393,7 +400,7 @@ def _start(
             count=lengths - 1,
             start=jnp.zeros((B,), jnp.int32),
         )
-        if drafter_lib.supports_prefill(drafter):
+        if drafter_lib.supports_prefill(first_module):
             state = drafter_lib.prefill(drafter, drafter_head, state, prompt_pairs, **dkw)
         else:
             # Heads without BF16 fc/k/v catch up through propose, whose window takes any number
@@ -417,7 +424,7 @@ def _spec_round(
     c: _Loop,
     *,
     target: TargetModel,
-    drafter: DrafterParams,
+    drafter: DrafterParams | DrafterModules,
     head: LMHeadParams,
     drafter_head: LMHeadParams,
     temperature: jax.Array,
@@ -491,7 +498,7 @@ def _spec_round(
 )
 def _generate(
     target: TargetModel,
-    drafter: DrafterParams | None,
+    drafter: DrafterParams | DrafterModules | None,
     head: LMHeadParams,
     drafter_head: LMHeadParams | None,
     prompts: jax.Array,
@@ -584,7 +591,7 @@ def _run(round_: Callable[[_Loop], _Loop], loop: _Loop) -> GenerateOutput:
 @configs_by_name
 def generate(
     target: TargetModel,
-    drafter: DrafterParams,
+    drafter: DrafterParams | DrafterModules,
     head: LMHeadParams,
     prompts: jax.Array,
     lengths: jax.Array,
@@ -605,15 +612,19 @@ def generate(
 
     Args:
       target: the target model (``reference_target`` or any ``TargetModel``).
-      drafter: the MTP head's params, in whatever precision they were loaded at (heads whose
-        fc/k_proj/v_proj are BF16 take the drafter prefill; others write the prompt's rows
-        through ``propose``). Its KV pool follows ``drafter.pool_config``'s rule.
+      drafter: the MTP head's params (``DrafterParams``: one module, which chains itself for
+        every draft) or ``DrafterModules`` (draft s from module s under CLAMP, where K is
+        ``min(num_drafts, N)``; module s mod N under CYCLE), in whatever precision they were
+        loaded at (when module 0's fc/k_proj/v_proj are BF16 the prompt's rows take the drafter
+        prefill; else they go through ``propose``). Every module's KV pool follows
+        ``drafter.pool_config``'s rule for module 0's precision.
       head: the target's embedding / LM head: the verify rows and the first token.
       prompts: int[B, T] right-padded prompts, ids in [0, V) before each length (the padding is
         ignored); lengths: int[B] their lengths in [1, T]. Concrete values out of range are a
         ValueError naming the sequence; traced ones are clamped into range.
       drafter_cfg: static drafter config. head_cfg: static config of the target's LM head.
-      max_new_tokens: static N >= 1. num_drafts: static K >= 1, drafts per round.
+      max_new_tokens: static N >= 1. num_drafts: static K >= 1, drafts per round (clamped to
+        the module count by the CLAMP schedule).
       drafter_head: the head the drafter reads (embedding + draft LM head), e.g. a quantised
         copy from a converted checkpoint; default ``head``.
       temperature: a real scalar, traced (one program for every value > 0); 0.0 is greedy
@@ -622,7 +633,7 @@ def generate(
       key: PRNG key, required when temperature > 0.
       eos_id: static; a sequence stops after emitting it (it is kept in the output).
       hidden_contract: static ``HiddenContract`` (or its value) for draft steps 1..K-1; None:
-        the family's ``drafter_cfg.hidden_contract``.
+        ``drafter_cfg.default_hidden_contract``.
       refeed: static; rebuild accepted chain rows from the target's hidden after each verify.
       implementation: ``Implementation`` (or its name, any case) of the drafter and the head.
 
@@ -631,15 +642,21 @@ def generate(
       (forwards after the prefill), active_steps [B], kv_error [B].
     """
     _check_target(target)
-    if not isinstance(drafter, DrafterParams):
+    if not isinstance(drafter, (DrafterParams, DrafterModules)):
         raise TypeError(
-            f"drafter must be DrafterParams (one MTP module), got {type(drafter).__name__}"
+            "drafter must be DrafterParams (one MTP module) or DrafterModules, got "
+            f"{type(drafter).__name__}"
+        )
+    num_drafts = _check_static_int("num_drafts", num_drafts, 1)
+    if isinstance(drafter, DrafterModules):
+        num_drafts = drafter_lib.effective_num_drafts(
+            drafter.num_modules, num_drafts, drafter.schedule
         )
     prompts, lengths = _check_prompts(prompts, lengths, head_cfg.vocab_size)
     temperature, key = check_temperature(temperature, key)
-    contract = _parse_contract(
-        drafter_cfg.hidden_contract if hidden_contract is None else hidden_contract
-    )
+    if hidden_contract is None:
+        hidden_contract = drafter_cfg.default_hidden_contract
+    contract = _parse_contract(hidden_contract)
     if not isinstance(refeed, bool):
         raise TypeError(f"refeed must be a Python bool, got {refeed!r}")
     return _generate(
@@ -654,7 +671,7 @@ def generate(
         drafter_cfg=drafter_cfg,
         head_cfg=head_cfg,
         max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
-        step_width=_check_static_int("num_drafts", num_drafts, 1) + 1,
+        step_width=num_drafts + 1,
         eos_id=_check_eos(eos_id, head_cfg.vocab_size),
         hidden_contract=contract,
         refeed=refeed,

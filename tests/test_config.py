@@ -25,6 +25,7 @@ from mtpjax.config import (
     YarnScaling,
     load_hf_config,
 )
+from mtpjax.layers._spec import shared_expert_name
 
 # ---- realistic config.json contents (real key names, published sizes) -----------------------
 
@@ -471,8 +472,8 @@ def test_deepseek_v3():
     )
     assert c.rope_scaling.cos_sin_scale == 1.0  # mscale == mscale_all_dim
     assert c.rope_scaling.softmax_scale_factor == pytest.approx((0.1 * math.log(40) + 1) ** 2)
-    # vLLM's deepseek_mtp chains the layer's output before shared_head.norm.
-    assert c.hidden_contract is HiddenContract.PRE_NORM
+    # The post-norm hidden (after shared_head.norm), as for every family.
+    assert c.default_hidden_contract is HiddenContract.POST_NORM
     assert c.first_mtp_layer == 61 and c.mla.rope_interleave
     assert c.runnable and c.unsupported_reason is None
 
@@ -491,7 +492,10 @@ def test_glm45():
     assert m.routed_scaling_factor == 2.5
     assert c.zero_embedding_at_position_0 and not c.zero_centered_norm
     assert c.rms_norm_eps == 1e-5
-    assert not c.runnable and "GLM" in c.unsupported_reason
+    assert c.first_mtp_layer == 92  # model.layers.92 after 92 decoder layers
+    assert shared_expert_name(c) == "mlp.shared_experts"
+    assert c.runnable and c.unsupported_reason is None
+    assert c.default_hidden_contract is HiddenContract.POST_NORM
 
 
 def test_glm45_air_without_qk_norm():
@@ -509,7 +513,8 @@ def test_mimo_7b():
     assert c.input_order is InputOrder.HIDDEN_FIRST
     assert c.zero_embedding_at_position_0
     assert c.rope_theta == 640000.0
-    assert not c.runnable and "MiMo" in c.unsupported_reason
+    assert c.runnable and c.unsupported_reason is None
+    assert c.default_hidden_contract is HiddenContract.POST_NORM
 
 
 def test_minimax_m2():
@@ -733,10 +738,13 @@ def test_tiny_configs_are_valid_and_runnable():
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
-        (dict(attention_bias=True), "bias"),
-        (dict(input_order=InputOrder.HIDDEN_FIRST), "hidden_first"),
         (dict(rope_type="yarn"), "rope_type 'yarn'"),
         (dict(mtp_layers_per_module=2), "layers per MTP module"),
+        (dict(first_mtp_layer=4), "the NextN layout (first_mtp_layer) for qwen3_5"),
+        (
+            dict(architecture=Architecture.GLM4_MOE, zero_centered_norm=False),
+            "NextN modules without their layer index (first_mtp_layer)",
+        ),
     ],
 )
 def test_qwen_family_features_outside_the_drafter_are_reported(overrides, needle):
@@ -745,8 +753,9 @@ def test_qwen_family_features_outside_the_drafter_are_reported(overrides, needle
     assert needle in c.unsupported_reason
 
 
-def test_plain_norms_and_sigmoid_grouped_routing_run_in_any_family():
-    # The norm convention and the router are config-driven layers, not family features.
+def test_layer_features_of_other_families_run_in_any_family():
+    # One layer implements them all: plain norms, q/k/v bias, MiMo's input order, sigmoid
+    # group-limited routing with the correction bias.
     moe = dataclasses.replace(
         DrafterConfig.tiny(ffn=FfnKind.MOE).moe,
         scoring=RouterScoring.SIGMOID,
@@ -754,8 +763,22 @@ def test_plain_norms_and_sigmoid_grouped_routing_run_in_any_family():
         n_group=2,
         topk_group=1,
     )
-    c = DrafterConfig.tiny(ffn=FfnKind.MOE, moe=moe, zero_centered_norm=False)
-    assert c.runnable, c.unsupported_reason
+    c = DrafterConfig.tiny(
+        ffn=FfnKind.MOE,
+        moe=moe,
+        zero_centered_norm=False,
+        attention_bias=True,
+        input_order=InputOrder.HIDDEN_FIRST,
+    )
+    assert c.runnable and c.unsupported_reason is None
+
+
+def test_grouped_correction_routing_needs_two_experts_per_group():
+    base = DrafterConfig.tiny(ffn=FfnKind.MOE).moe
+    with pytest.raises(ValueError, match="n_group=4: expected at most num_experts / 2"):
+        dataclasses.replace(
+            base, score_correction_bias=True, n_group=4, topk_group=2, num_experts_per_tok=1
+        )
 
 
 def test_qwen_with_yarn_rope_from_hf_is_not_runnable():

@@ -489,7 +489,7 @@ def test_nvfp4_quant_config_with_bf16_mtp_tensors(tmp_path, moe_source):
 
 
 # --------------------------------------------------------------------------------------------
-# DeepSeek-V3.2 / GLM-4.5 / MiMo: a named tensor tree, reported as not runnable.
+# DeepSeek-V3.2: a named tensor tree, reported as not runnable (GLM-4.5 and MiMo run: below).
 
 
 def _generic_source(tmp_path: Path, family: str, num_mtp: int):
@@ -515,9 +515,8 @@ def _generic_source(tmp_path: Path, family: str, num_mtp: int):
     return config, prefixes, tensors
 
 
-@pytest.mark.parametrize("family, num_mtp", [("deepseek_v32", 2), ("glm4_moe", 1), ("mimo", 1)])
-def test_unrunnable_families_convert_to_a_named_tree(tmp_path, family, num_mtp):
-    config, prefixes, tensors = _generic_source(tmp_path, family, num_mtp)
+def test_deepseek_v32_converts_to_a_named_tree(tmp_path):
+    config, prefixes, tensors = _generic_source(tmp_path, "deepseek_v32", 2)
     cfg = DrafterConfig.from_hf_config(config)
     manifest = convert(tmp_path / "src", tmp_path / "out", precision="keep")
     assert not manifest.runnable and manifest.unsupported_reason == cfg.unsupported_reason
@@ -527,47 +526,84 @@ def test_unrunnable_families_convert_to_a_named_tree(tmp_path, family, num_mtp):
     assert cfg.unsupported_reason in str(err.value)
     _, named = load_drafter(tmp_path / "out", allow_unrunnable=True)
     for p in prefixes:
-        fc = p + ("input_proj" if family == "mimo" else "eh_proj")
-        if family.startswith("deepseek"):
-            assert isinstance(named[fc], Fp8BlockWeight)
-            np.testing.assert_array_equal(
-                np.asarray(named[fc].q).view(np.uint8), tensors[fc + ".weight"].view(np.uint8)
-            )
-            np.testing.assert_array_equal(
-                np.asarray(named[fc].scale_inv), tensors[fc + ".weight_scale_inv"]
-            )
-            assert (p + "self_attn.kv_a_proj_with_mqa") in named
-            assert (p + "eh_proj.weight_scale_inv") not in named  # folded into the weight
-        else:
-            assert np.asarray(named[fc].w).tobytes() == tensors[fc + ".weight"].tobytes()
-        if family != "mimo":
-            experts = named[p + "mlp.experts.gate_proj"]
-            assert experts.shape == (fx.E, fx.I_EXPERT, fx.H)
-            if family.startswith("deepseek"):  # expert 2 of the stack is the source's expert 2
-                base = p + "mlp.experts.2.gate_proj.weight"
-                np.testing.assert_array_equal(
-                    np.asarray(experts.q[2]).view(np.uint8), tensors[base].view(np.uint8)
-                )
-                np.testing.assert_array_equal(
-                    np.asarray(experts.scale_inv[2]), tensors[base + "_scale_inv"]
-                )
-            bias = named[p + "mlp.gate.e_score_correction_bias"]
-            np.testing.assert_array_equal(
-                np.asarray(bias), tensors[p + "mlp.gate.e_score_correction_bias"]
-            )
-            assert p + "shared_head.head" in named
-        if family == "glm4_moe":
-            np.testing.assert_array_equal(
-                np.asarray(named[p + "self_attn.q_proj.bias"]).view(np.uint16),
-                tensors[p + "self_attn.q_proj.bias"].view(np.uint16),
-            )
+        fc = p + "eh_proj"
+        assert isinstance(named[fc], Fp8BlockWeight)
+        np.testing.assert_array_equal(
+            np.asarray(named[fc].q).view(np.uint8), tensors[fc + ".weight"].view(np.uint8)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(named[fc].scale_inv), tensors[fc + ".weight_scale_inv"]
+        )
+        assert (p + "self_attn.kv_a_proj_with_mqa") in named
+        assert (p + "eh_proj.weight_scale_inv") not in named  # folded into the weight
+        experts = named[p + "mlp.experts.gate_proj"]
+        assert experts.shape == (fx.E, fx.I_EXPERT, fx.H)
+        base = p + "mlp.experts.2.gate_proj.weight"  # expert 2 of the stack is the source's
+        np.testing.assert_array_equal(
+            np.asarray(experts.q[2]).view(np.uint8), tensors[base].view(np.uint8)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(experts.scale_inv[2]), tensors[base + "_scale_inv"]
+        )
+        bias = named[p + "mlp.gate.e_score_correction_bias"]
+        np.testing.assert_array_equal(
+            np.asarray(bias), tensors[p + "mlp.gate.e_score_correction_bias"]
+        )
+        assert p + "shared_head.head" in named
     assert named["head.embedding"].dtype == jnp.bfloat16
     # Requantising a non-runnable family works too (MLA projections count as plain ones).
     convert(tmp_path / "src", tmp_path / "bf16", precision="bf16")
     _, requant = load_drafter(tmp_path / "bf16", allow_unrunnable=True)
-    fc = prefixes[0] + ("input_proj" if family == "mimo" else "eh_proj")
+    fc = prefixes[0] + "eh_proj"
     assert isinstance(requant[fc], Bf16Weight)
     assert_bits_equal(requant[fc], quantize(dequantize(named[fc]), "bf16"))
+
+
+def _bits(a) -> bytes:
+    return np.asarray(a).view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("family, num_mtp", [("glm4_moe", 2), ("mimo", 1)])
+def test_glm_and_mimo_load_as_runnable_drafters(tmp_path, family, num_mtp):
+    """Each source tensor lands in its drafter field, module by module (GLM's NextN names and
+    MiMo's, the reversed input order's fc included)."""
+    _, prefixes, tensors = _generic_source(tmp_path, family, num_mtp)
+    manifest = convert(tmp_path / "src", tmp_path / "out", precision="keep")
+    assert manifest.runnable and manifest.unsupported_reason is None
+    assert manifest.mtp_prefixes == tuple(prefixes)
+    cfg, ckpt = load_drafter(tmp_path / "out")
+    assert ckpt.num_modules == num_mtp == cfg.num_mtp_modules
+    mimo = family == "mimo"
+    names = (
+        ("fc", "input_proj" if mimo else "eh_proj"),
+        ("pre_fc_norm_embedding", "token_layernorm" if mimo else "enorm"),
+        ("pre_fc_norm_hidden", "hidden_layernorm" if mimo else "hnorm"),
+        ("norm", "final_layernorm" if mimo else "shared_head.norm"),
+    )
+    for p, module in zip(prefixes, ckpt.modules):
+        for field, source in names:
+            value = getattr(module, field)
+            got = value.w if field == "fc" else value
+            assert _bits(got) == tensors[p + source + ".weight"].view(np.uint16).tobytes()
+        attn = module.layer.attention
+        for proj in "qkv":
+            bias = getattr(attn, f"{proj}_bias")
+            assert (
+                _bits(bias) == tensors[f"{p}self_attn.{proj}_proj.bias"].view(np.uint16).tobytes()
+            )
+        ffn = module.layer.ffn
+        if mimo:
+            assert (
+                _bits(ffn.up_proj.w) == tensors[p + "mlp.up_proj.weight"].view(np.uint16).tobytes()
+            )
+        else:
+            np.testing.assert_array_equal(
+                np.asarray(ffn.score_correction_bias),
+                tensors[p + "mlp.gate.e_score_correction_bias"],
+            )
+            shared = tensors[p + "mlp.shared_experts.down_proj.weight"]
+            assert _bits(ffn.shared_expert.down_proj.w) == shared.view(np.uint16).tobytes()
+            assert ffn.shared_expert_gate is None
 
 
 # --------------------------------------------------------------------------------------------

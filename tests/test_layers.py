@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mtpjax import layers
+from mtpjax.config import RouterScoring
 from mtpjax.weights import quantize
 
 
@@ -118,3 +120,61 @@ def test_moe_without_shared_expert():
     y = rng.standard_normal((2, 3, 16)).astype(np.float32)
     got = np.asarray(layers.moe_ffn(params, y, top_k=2, normalize=True, implementation="xla"))
     np.testing.assert_allclose(got, _np_moe(params, y, 2, True), rtol=1e-4, atol=1e-4)
+
+
+def _np_grouped_sigmoid_route(
+    logits, bias, *, top_k, n_group, topk_group, routed_scaling_factor, normalize
+):
+    """DeepSeek-V3 / GLM-4.5 ``noaux_tc`` per row, written as loops: sigmoid scores; biased
+    scores choose the groups (value: the sum of a group's two best) and the experts; the
+    weights are the unbiased scores, renormalised, times ``routed_scaling_factor``."""
+    E = logits.shape[-1]
+    per = E // n_group
+    weights, ids = [], []
+    for row in np.asarray(logits, np.float64):
+        scores = 1 / (1 + np.exp(-row))
+        choice = scores + bias
+        value = [np.sort(choice[g * per : (g + 1) * per])[-2:].sum() for g in range(n_group)]
+        groups = np.argsort(value, kind="stable")[::-1][:topk_group]
+        allowed = [e for e in range(E) if e // per in groups]
+        chosen = sorted(allowed, key=lambda e: -choice[e])[:top_k]
+        w = scores[chosen]
+        if normalize:
+            w = w / w.sum()
+        weights.append(w * routed_scaling_factor)
+        ids.append(chosen)
+    return np.array(weights), np.array(ids)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_grouped_sigmoid_routing_with_correction_bias_matches_numpy(normalize):
+    rng = _rng(9)
+    E, T = 12, 20
+    logits = rng.standard_normal((T, E)).astype(np.float32) * 2
+    # A bias large enough to change choices: selection must read it, the weights must not.
+    bias = (rng.standard_normal(E) * 0.5).astype(np.float32)
+    kw = dict(top_k=3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    w, ids = layers.route(
+        jnp.asarray(logits),
+        normalize=normalize,
+        scoring=RouterScoring.SIGMOID,
+        correction_bias=jnp.asarray(bias),
+        **kw,
+    )
+    ref_w, ref_ids = _np_grouped_sigmoid_route(logits, bias, normalize=normalize, **kw)
+    np.testing.assert_array_equal(np.sort(ids, axis=1), np.sort(ref_ids, axis=1))
+    order = np.argsort(ids, axis=1)
+    ref_order = np.argsort(ref_ids, axis=1)
+    got = np.take_along_axis(np.asarray(w), order, 1)
+    np.testing.assert_allclose(got, np.take_along_axis(ref_w, ref_order, 1), rtol=1e-6)
+    unbiased, _ = layers.route(
+        jnp.asarray(logits), normalize=normalize, scoring=RouterScoring.SIGMOID, **kw
+    )
+    assert not np.array_equal(np.asarray(unbiased), np.asarray(w))  # the bias changed choices
+
+
+def test_group_limit_without_bias_ranks_groups_by_their_best_expert():
+    logits = np.array([[0.0, 5.0, 1.0, 1.0, 4.5, 4.5]], np.float32)  # groups of 2
+    _, ids = layers.route(jnp.asarray(logits), top_k=2, normalize=True, n_group=3, topk_group=1)
+    # By its best member, group 0 (expert 1) wins; by the sum of two, group 2 would.
+    np.testing.assert_array_equal(np.sort(np.asarray(ids)[0]), [0, 1])

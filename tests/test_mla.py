@@ -69,7 +69,7 @@ def test_fixture_config_parses_into_a_runnable_mla_drafter():
     assert c.moe.scoring is RouterScoring.SIGMOID and c.moe.score_correction_bias
     assert (c.moe.n_group, c.moe.topk_group, c.moe.num_experts_per_tok) == (4, 2, 2)
     assert c.moe.shared_expert_intermediate_size == 32 and c.moe.routed_scaling_factor == 2.5
-    assert c.first_mtp_layer == 2 and c.hidden_contract is HiddenContract.PRE_NORM
+    assert c.first_mtp_layer == 2 and c.default_hidden_contract is HiddenContract.POST_NORM
     # The cache row: latent + RoPE key (40 values) against 4 heads * (24 + 24) expanded.
     pool = drafter.pool_config(c, precision="bf16", max_seq_len=32, max_seqs=1)
     assert (pool.num_kv_heads, pool.head_dim, pool.value_dim) == (1, 40, 32)
@@ -107,7 +107,7 @@ def test_glm47_flash_routes_through_the_same_mla_drafter():
     assert c.architecture is Architecture.GLM4_MOE_LITE and c.runnable, c.unsupported_reason
     assert c.mla.qk_head_dim == 256 and c.head_dim == 256 and c.rotary_dim == 64
     assert c.moe.score_correction_bias and c.moe.scoring is RouterScoring.SIGMOID
-    assert c.first_mtp_layer == 47 and c.hidden_contract is HiddenContract.PRE_NORM
+    assert c.first_mtp_layer == 47 and c.default_hidden_contract is HiddenContract.POST_NORM
     assert drafter.kv_row_spec(c) == (1, 576, 512)
 
 
@@ -205,7 +205,7 @@ def _catch_up_window(width: int):
 def test_chained_drafts_match_transformers(ckpt, contract):
     # propose over the paged latent cache (BF16 rows: relative 2^-9 per element, which moves
     # these O(10) logits by < 0.05) against transformers' full recompute of each chain; None is
-    # the family's default contract, DeepSeek's pre-norm chain.
+    # the default contract, the post-norm chain.
     cfg, loaded = ckpt
     B = len(GOLDEN["prompt_rows"])
     state = drafter.init_state(
@@ -218,7 +218,7 @@ def test_chained_drafts_match_transformers(ckpt, contract):
         return_logits=True, **kw,
     )  # fmt: skip
     drafter.raise_on_state_error(state)
-    name = "pre_norm" if contract is None else contract
+    name = "post_norm" if contract is None else contract
     np.testing.assert_array_equal(out.tokens, GOLDEN[f"chain_{name}_tokens"])
     np.testing.assert_allclose(out.logits, GOLDEN[f"chain_{name}_logits"], rtol=0, atol=5e-2)
 
@@ -231,7 +231,7 @@ def test_one_draft_is_the_chains_first(ckpt):
     out, _ = drafter.propose(
         loaded.modules[0], loaded.head, state, _catch_up_window(8), cfg=cfg, num_drafts=1
     )
-    np.testing.assert_array_equal(out.tokens[:, 0], GOLDEN["chain_pre_norm_tokens"][:, 0])
+    np.testing.assert_array_equal(out.tokens[:, 0], GOLDEN["chain_post_norm_tokens"][:, 0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,8 +338,8 @@ def test_paged_chain_equals_teacher_forced_forward():
         rows = slice(n[b] - 1, n[b] - 1 + K)
         np.testing.assert_allclose(out.logits[b], ref.logits[b, rows], rtol=0, atol=5e-2)
         np.testing.assert_array_equal(out.tokens[b], ref.logits[b, rows].argmax(-1))
-        # The default contract chains the pre-norm residual.
-        np.testing.assert_allclose(out.hidden[b], ref.residual[b, rows], rtol=0, atol=5e-2)
+        # The default contract chains the post-norm hidden.
+        np.testing.assert_allclose(out.hidden[b], ref.h_out[b, rows], rtol=0, atol=5e-2)
 
 
 def test_after_verify_leaves_the_rows_of_a_rebuild():
@@ -453,7 +453,7 @@ def test_two_nextn_modules_load_and_chain(tmp_path):
     np.testing.assert_array_equal(np.asarray(state.seq_len), [[e + 1] * B, [1] * B])
     ref0 = np_tree(drafter.drafter_forward(loaded.modules[0], loaded.head, tok, hid, cfg=cfg))
     np.testing.assert_allclose(out.logits[:, 0], ref0.logits[:, e], rtol=0, atol=5e-2)
-    np.testing.assert_allclose(out.hidden[:, 0], ref0.residual[:, e], rtol=0, atol=5e-2)
+    np.testing.assert_allclose(out.hidden[:, 0], ref0.h_out[:, e], rtol=0, atol=5e-2)
     ref1 = np_tree(
         drafter.drafter_forward(
             loaded.modules[1], loaded.head, np.asarray(out.tokens[:, :1]),

@@ -529,6 +529,7 @@ def test_parse_projection_checkpoint_paths():
         "mtp.layers.0.mlp.experts.7.down_proj.weight_scale_inv": Projection.EXPERTS,
         "mtp.layers.0.mlp.experts.gate_up_proj": Projection.EXPERTS,
         "mtp.layers.0.mlp.shared_expert.up_proj.weight": Projection.SHARED_EXPERT,
+        "model.layers.92.mlp.shared_experts.down_proj.weight": Projection.SHARED_EXPERT,
         "mtp.layers.0.mlp.shared_expert_gate.weight": Projection.SHARED_EXPERT_GATE,
     }
     for name, role in cases.items():

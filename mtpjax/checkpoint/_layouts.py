@@ -21,12 +21,14 @@ Families:
                         ``mlp.experts.down_proj [E, H, I]``); runnable.
   DeepSeek-V3, GLM-4.5  module ``i`` is ``model.layers.{num_hidden_layers + i}.*`` (``enorm``,
   GLM-4.7-Flash         ``hnorm``, ``eh_proj``, a full layer, ``shared_head.{norm, head}``);
-                        converted as a named tensor tree under its own names (experts stacked),
-                        which assembles into the drafter where the family runs (DeepSeek-V3's
-                        and GLM-4.7-Flash's MLA + MoE layer; the target's head serves, the
-                        module's copies of the embedding and head are kept but not read).
+                        converted as a named tensor tree under the source names (experts
+                        stacked), which assembles into the drafter (DeepSeek-V3's and
+                        GLM-4.7-Flash's MLA + MoE layer, GLM-4.5's GQA + MoE layer;
+                        ``shared_head.head`` and a module's own ``embed_tokens`` are kept but
+                        unused: the target's head serves); runnable but for DeepSeek-V3.2.
   MiMo                  ``model.mtp_layers.{i}.*`` (``token_layernorm``, ``hidden_layernorm``,
-                        ``input_proj``, ``final_layernorm``, a Qwen2 layer); named tree.
+                        ``input_proj``, ``final_layernorm``, a Qwen2 layer); named tree,
+                        runnable.
   MiniMax-M2            its published weights hold no MTP tensors: converting fails, naming the
                         prefixes searched.
 
@@ -46,7 +48,7 @@ import jax
 from mtpjax.checkpoint._formats import companion_names
 from mtpjax.checkpoint._safetensors_io import CheckpointError, SafetensorsCheckpoint
 from mtpjax.config import Architecture, DrafterConfig
-from mtpjax.drafter import DrafterParams, from_named, module_leaves
+from mtpjax.drafter import DrafterParams, from_named, module_leaves, module_prefix
 from mtpjax.head import LMHeadParams
 from mtpjax.layers import Leaf
 from mtpjax.weights import Projection, parse_projection
@@ -346,21 +348,11 @@ def _generic_role(base: str) -> Projection:
 def _module_prefixes(cfg: DrafterConfig, raw: Mapping[str, Any]) -> list[list[str]]:
     """Candidate prefix schemes; scheme ``s`` gives module ``i`` the prefix ``s[i]``."""
     n = cfg.num_mtp_modules
+    if cfg.first_mtp_layer is not None or cfg.architecture is Architecture.MIMO:
+        return [[module_prefix(cfg, i) for i in range(n)]]  # the drafter's own description
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     layers = text.get("num_hidden_layers", raw.get("num_hidden_layers"))
     by_layer = [f"model.layers.{layers + i}." for i in range(n)] if isinstance(layers, int) else []
-    if cfg.architecture in (
-        Architecture.DEEPSEEK_V3,
-        Architecture.GLM4_MOE,
-        Architecture.GLM4_MOE_LITE,
-    ):
-        if not by_layer:
-            raise CheckpointError(
-                "config.json has no integer num_hidden_layers: cannot locate the MTP layers"
-            )
-        return [by_layer]
-    if cfg.architecture is Architecture.MIMO:
-        return [[f"model.mtp_layers.{i}." for i in range(n)]]
     schemes = [
         [f"mtp.layers.{i}." for i in range(n)],
         [f"model.mtp.layers.{i}." for i in range(n)],
@@ -487,8 +479,8 @@ class DrafterCheckpoint:
 
 
 def assemble(named: Mapping[str, Any], cfg: DrafterConfig) -> DrafterCheckpoint:
-    """Builds the runnable drafter from converted tensors by name (Qwen and NextN layouts: the
-    names ``module_leaves`` gives).
+    """Builds the runnable drafter from converted tensors by name (the names ``module_leaves``
+    gives: each module under ``drafter.module_prefix``).
 
     ``named`` maps converted names to weights / arrays (or to stand-ins such as
     ``jax.ShapeDtypeStruct``, which is how the loader derives shardings and abstract shapes).

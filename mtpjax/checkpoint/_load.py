@@ -39,7 +39,7 @@ from mtpjax.checkpoint._formats import weight_class
 from mtpjax.checkpoint._layouts import DrafterCheckpoint, assemble
 from mtpjax.checkpoint._safetensors_io import CheckpointError
 from mtpjax.config import DrafterConfig
-from mtpjax.drafter import module_leaves
+from mtpjax.drafter import module_leaves, module_prefix
 from mtpjax.weights import Weight, WeightFormat
 
 __all__ = ["ShardingSpec", "load_drafter", "read_manifest"]
@@ -195,9 +195,18 @@ def _check_twin(manifest: Path, record: TensorRecord, twin: TensorRecord | None)
         )
 
 
-def _check_described(manifest: Path, cfg: DrafterConfig, abstract: Mapping[str, Any]) -> None:
-    """Every leaf the drafter's description of ``cfg`` names is recorded at its logical shape
-    (KeyError for a missing record)."""
+def _check_described(
+    manifest: Path, cfg: DrafterConfig, prefixes: tuple[str, ...], abstract: Mapping[str, Any]
+) -> None:
+    """The MTP modules were found where the drafter's description of ``cfg`` puts them
+    (``prefixes``, the manifest's ``mtp_prefixes``), and every leaf it names is recorded at its
+    logical shape (KeyError for a missing record)."""
+    described = tuple(module_prefix(cfg, i) for i in range(cfg.num_mtp_modules))
+    if tuple(prefixes) != described:
+        raise CheckpointError(
+            f"{manifest}: MTP modules recorded under {list(prefixes)}, but config.json puts them "
+            f"under {list(described)}; convert the checkpoint again"
+        )
     for i in range(cfg.num_mtp_modules):
         for name, leaf in module_leaves(cfg, i):
             found = tuple(abstract[name].shape)
@@ -222,8 +231,8 @@ def load_drafter(
       path: the converted checkpoint directory.
       sharding: where the leaves go: a ``jax.sharding.Sharding`` applied to every leaf, a
         callable from leaf path to sharding (None for the default), or None (first device).
-      allow_unrunnable: for a family the drafter does not run yet (GLM-4.5, MiMo, DeepSeek-V3.2),
-        return its converted tensors by name instead of raising.
+      allow_unrunnable: for a family the drafter does not run (DeepSeek-V3.2's sparse
+        attention, MiniMax-M2), return its converted tensors by name instead of raising.
       mtp_vocab_size: passed to ``DrafterConfig.from_hf_config`` (a reduced draft vocab).
       verify: check every restored array against the sha256 in the manifest (a host copy and
         a hash of every byte; ``verify=False`` skips it).
@@ -249,7 +258,7 @@ def load_drafter(
     abstract = {r.name: _build(r, specs[r.name]) for r in manifest.tensors}
     try:
         if cfg.runnable:
-            _check_described(path / MANIFEST_FILE, cfg, abstract)
+            _check_described(path / MANIFEST_FILE, cfg, manifest.mtp_prefixes, abstract)
         structure = assemble(abstract, cfg) if cfg.runnable else abstract
     except KeyError as err:
         raise CheckpointError(

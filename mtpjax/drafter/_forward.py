@@ -4,10 +4,11 @@ Row ``i`` of a sequence is computed from the pair ``(token_{i+1}, hidden_i)``: t
 followed position ``i`` and the target's hidden at position ``i``. Its RoPE position is ``i``
 (the pair key). Per row:
 
-    e = embed(token)                                       (the target's table unless dedicated)
-    x = fc(concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)])
-    a = input_layernorm(x);  k, v = k_norm/RoPE(k_proj(a)), v_proj(a)
-    x = x + o_proj(attn(q, K, V) * sigmoid(gate))          (causal over the sequence's rows)
+    e = embed(token)                                       (the target's table unless dedicated;
+                                                            zero at key 0: DeepSeek, GLM, MiMo)
+    x = fc(concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)])     (MiMo: hidden first)
+    a = input_layernorm(x);  k, v = k_norm/RoPE(k_proj(a) + bias), v_proj(a) + bias
+    x = x + o_proj(attn(q, K, V) [* sigmoid(gate)])        (causal over the sequence's rows)
     x = x + ffn(post_attention_layernorm(x))               (the pre-norm residual)
     h_out = mtp.norm(x);  logits = lm_head(h_out)          (first V' rows when reduced)
 
@@ -15,11 +16,9 @@ A row's K/V depend on its pair only (one layer), which is what lets the drafter 
 rows without attention. Activations stay F32 between projections; ``linear`` reads each weight
 format exactly and accumulates in F32.
 
-The NextN families (DeepSeek-V3, GLM) run the same steps with their names (``eh_proj``,
-``enorm``, ``hnorm``, ``shared_head.norm``), plain RMSNorm, MLA attention where configured
-(``mtpjax.layers.mla``: the cache row is the latent, ``[1, L + R]``, and its value is ``None``)
-and, with ``zero_embedding_at_position_0``, the embedding of the row at key 0 zeroed before its
-norm (vLLM's deepseek_mtp masks ``inputs_embeds[positions == 0]``).
+The other families (DeepSeek-V3, GLM, MiMo) run the same steps under their own checkpoint names
+(``DrafterParams``), with plain RMSNorm and, where configured, MLA attention
+(``mtpjax.layers.mla``: the cache row is the latent, ``[1, L + R]``, and its value is ``None``).
 
 Shapes: ``[B]`` sequences (optional in ``drafter_forward``), ``[T]`` rows, ``H`` hidden,
 ``Nkv``/``D`` KV heads / head dim, ``V'`` draft vocab.
@@ -34,7 +33,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from mtpjax.config import DrafterConfig, LMHeadConfig
+from mtpjax.config import DrafterConfig, InputOrder, LMHeadConfig
 from mtpjax.drafter._params import DrafterParams, check_runnable
 from mtpjax.head import LMHeadParams, embed, lm_head
 from mtpjax.layers.attention import project_kv
@@ -100,16 +99,20 @@ def fuse_inputs(
     head_cfg: LMHeadConfig,
     implementation="auto",
 ) -> jax.Array:
-    """``fc(concat[norm_e(embed(tokens)), norm_h(hidden)])``: tokens [...], hidden [..., H] at
-    positions [...] -> the layer input x f32[..., H]."""
+    """``fc(concat[norm_e(embed(tokens)), norm_h(hidden)])`` (MiMo: ``concat[norm_h, norm_e]``):
+    tokens [...], hidden [..., H] at positions [...] -> the layer input x f32[..., H].
+
+    With ``zero_embedding_at_position_0`` (DeepSeek, GLM, MiMo) the row at key 0 reads a zero
+    embedding, as vLLM's MTP modules do (``inputs_embeds[positions == 0] = 0``)."""
     eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
     e = embed_pairs(params, head, tokens, cfg=cfg, head_cfg=head_cfg)
     if cfg.zero_embedding_at_position_0:
         e = jnp.where((positions == 0)[..., None], 0.0, e)
     e = rms_norm(e, params.pre_fc_norm_embedding, eps=eps, zero_centered=zc)
     h = rms_norm(hidden, params.pre_fc_norm_hidden, eps=eps, zero_centered=zc)
+    pair = [h, e] if cfg.input_order is InputOrder.HIDDEN_FIRST else [e, h]
     return linear(
-        jnp.concatenate([e, h], axis=-1),
+        jnp.concatenate(pair, axis=-1),
         params.fc,
         out_dtype=jnp.float32,
         implementation=implementation,

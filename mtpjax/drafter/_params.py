@@ -3,9 +3,11 @@ that runs them (``DrafterModules``), their random initialisers and the drafter's
 
 A module owns ``fc`` and its norms, one decoder layer and the final ``mtp.norm``; the embedding
 and the LM head are the target's, passed separately as ``mtpjax.head.LMHeadParams`` (a head with
-``mtp_use_dedicated_embeddings`` carries its own embedding table here). The NextN families
-(DeepSeek-V3, GLM) name them ``model.layers.{first_mtp_layer + i}.{eh_proj, enorm, hnorm,
-shared_head.norm}`` with the layer's own leaves beside them, one set per module.
+``mtp_use_dedicated_embeddings`` carries its own embedding table here). Checkpoint names are
+the family's (``module_leaves``): Qwen's modules share ``mtp.{fc, pre_fc_norm_*, norm}`` and own
+layer ``mtp.layers.{i}``; a NextN module (DeepSeek-V3, GLM) is ``model.layers.{first_mtp_layer +
+i}.{eh_proj, enorm, hnorm, shared_head.norm}`` beside its layer's leaves, a MiMo module
+``model.mtp_layers.{i}.{input_proj, token_layernorm, hidden_layernorm, final_layernorm}``.
 
 Shapes: ``H`` hidden, ``V`` vocab.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 import jax
 
-from mtpjax.config import DrafterConfig, FfnKind
+from mtpjax.config import Architecture, DrafterConfig, FfnKind
 from mtpjax.kv import KVDtype, PoolConfig
 from mtpjax.layers import (
     Leaf,
@@ -57,14 +59,15 @@ from mtpjax.weights import (
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterParams:
-    """One MTP head (checkpoint names in brackets).
+    """One MTP head (checkpoint names in brackets: Qwen; NextN (DeepSeek-V3, GLM-4.5); MiMo).
 
     Attributes:
-      fc: [H, 2H] over ``concat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]`` (mtp.fc).
-      pre_fc_norm_embedding: [H] (mtp.pre_fc_norm_embedding).
-      pre_fc_norm_hidden: [H] (mtp.pre_fc_norm_hidden).
-      layer: the decoder layer (mtp.layers.0.*).
-      norm: [H] final norm producing h_out (mtp.norm).
+      fc: [H, 2H] over the two normed inputs, concatenated in ``cfg.input_order`` (mtp.fc;
+        eh_proj; input_proj).
+      pre_fc_norm_embedding: [H] (mtp.pre_fc_norm_embedding; enorm; token_layernorm).
+      pre_fc_norm_hidden: [H] (mtp.pre_fc_norm_hidden; hnorm; hidden_layernorm).
+      layer: the decoder layer (mtp.layers.{i}.*; the module's own prefix).
+      norm: [H] final norm producing h_out (mtp.norm; shared_head.norm; final_layernorm).
       embed_tokens: bf16[V, H] dedicated MTP embedding, or None to use the target's
         (``mtp_use_dedicated_embeddings``).
     """
@@ -99,31 +102,73 @@ def init(
     return _init(cfg, key, parse_precision(precision))
 
 
-# A module's own leaves by DrafterParams field: Qwen's names under `mtp.` and the NextN names.
-_QWEN_NAMES = {n: n for n in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
-_NEXTN_NAMES = dict(
-    fc="eh_proj", pre_fc_norm_embedding="enorm", pre_fc_norm_hidden="hnorm", norm="shared_head.norm"
-)
+# Each family's names for the module-level leaves (the fields of DrafterParams), relative to
+# where they live: Qwen's ``mtp.`` (shared by every module), a NextN or MiMo module's prefix.
+_MODULE_NAMES = {
+    "qwen": dict(
+        fc="fc",
+        pre_fc_norm_embedding="pre_fc_norm_embedding",
+        pre_fc_norm_hidden="pre_fc_norm_hidden",
+        norm="norm",
+    ),
+    "nextn": dict(
+        fc="eh_proj",
+        pre_fc_norm_embedding="enorm",
+        pre_fc_norm_hidden="hnorm",
+        norm="shared_head.norm",
+    ),
+    "mimo": dict(
+        fc="input_proj",
+        pre_fc_norm_embedding="token_layernorm",
+        pre_fc_norm_hidden="hidden_layernorm",
+        norm="final_layernorm",
+    ),
+}
 
 
-def _prefixes(cfg: DrafterConfig, index: int) -> tuple[str, str]:
-    """(prefix of module ``index``'s fc and norms, prefix of its decoder layer)."""
-    if cfg.first_mtp_layer is None:
-        return "mtp.", f"mtp.layers.{index}."
-    layer = f"model.layers.{cfg.first_mtp_layer + index}."
-    return layer, layer
+def _naming(cfg: DrafterConfig) -> str:
+    if cfg.first_mtp_layer is not None:
+        return "nextn"
+    return "mimo" if cfg.architecture is Architecture.MIMO else "qwen"
+
+
+def module_prefix(cfg: DrafterConfig, index: int) -> str:
+    """Where MTP module ``index``'s decoder layer lives, and its module-level leaves but for
+    Qwen's (shared under ``mtp.``): ``mtp.layers.{i}.`` (Qwen),
+    ``model.layers.{first_mtp_layer + i}.`` (NextN: DeepSeek-V3, GLM),
+    ``model.mtp_layers.{i}.`` (MiMo). The converter records the same in the manifest's
+    ``mtp_prefixes``."""
+    naming = _naming(cfg)
+    if naming == "nextn":
+        return f"model.layers.{cfg.first_mtp_layer + index}."
+    return f"model.mtp_layers.{index}." if naming == "mimo" else f"mtp.layers.{index}."
+
+
+def _module_base(cfg: DrafterConfig, index: int) -> str:
+    """Where module ``index``'s module-level leaves live."""
+    return "mtp." if _naming(cfg) == "qwen" else module_prefix(cfg, index)
 
 
 def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
-    """The leaves every module of a checkpoint shares (names relative to ``mtp.``), in the
-    initialiser's draw order; a module's own layer is ``layer_leaves(cfg)``."""
+    """The module-level leaves (input projection, its two norms, the final norm, a dedicated
+    embedding), named as the family's checkpoint names them, in the initialiser's draw order;
+    Qwen's are shared by every module (under ``mtp.``), a NextN / MiMo module owns its own. A
+    module's layer is ``layer_leaves(cfg)``."""
     H = cfg.hidden_size
+    names = _MODULE_NAMES[_naming(cfg)]
     fc_what = "[hidden_size, 2 * hidden_size]"
     fc = Leaf(
-        name="fc", shape=(H, 2 * H), what=fc_what, axes=("embed", "fc_in"), role=Projection.FC
+        name=names["fc"],
+        shape=(H, 2 * H),
+        what=fc_what,
+        axes=("embed", "fc_in"),
+        role=Projection.FC,
     )
     norms = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
-    leaves = [fc, *(Leaf(name=n, shape=(H,), what="[hidden_size]", axes=("embed",)) for n in norms)]
+    leaves = [
+        fc,
+        *(Leaf(name=names[n], shape=(H,), what="[hidden_size]", axes=("embed",)) for n in norms),
+    ]
     if cfg.mtp_use_dedicated_embeddings:
         what = "[vocab_size, hidden_size] (mtp_use_dedicated_embeddings)"
         axes = ("vocab_in", "embed")
@@ -136,25 +181,24 @@ def shared_leaves(cfg: DrafterConfig) -> tuple[Leaf, ...]:
 
 
 def module_leaves(cfg: DrafterConfig, index: int) -> tuple[tuple[str, Leaf], ...]:
-    """``(checkpoint name, leaf)`` for every leaf of MTP module ``index``: the shared ``mtp.*``
-    leaves and its layer ``mtp.layers.{index}.*`` (NextN: its ``model.layers.{L + index}.*``)."""
-    own, layer = _prefixes(cfg, index)
-    names = _QWEN_NAMES if cfg.first_mtp_layer is None else _NEXTN_NAMES
+    """``(checkpoint name, leaf)`` for every leaf of MTP module ``index``: the module-level
+    leaves (Qwen's shared ``mtp.*``) and its decoder layer, under ``module_prefix``."""
+    base, prefix = _module_base(cfg, index), module_prefix(cfg, index)
     return (
-        *((own + names.get(leaf.name, leaf.name), leaf) for leaf in shared_leaves(cfg)),
-        *((layer + leaf.name, leaf) for leaf in layer_leaves(cfg)),
+        *((base + leaf.name, leaf) for leaf in shared_leaves(cfg)),
+        *((prefix + leaf.name, leaf) for leaf in layer_leaves(cfg)),
     )
 
 
 def from_named(named: Mapping[str, Any], cfg: DrafterConfig, index: int = 0) -> DrafterParams:
-    """MTP module ``index`` from ``named[checkpoint name]`` (weights, arrays, or stand-ins such as
-    ``jax.ShapeDtypeStruct`` or PartitionSpecs); a missing required leaf raises KeyError."""
-    own, layer = _prefixes(cfg, index)
-    names = _QWEN_NAMES if cfg.first_mtp_layer is None else _NEXTN_NAMES
+    """MTP module ``index`` (named as in ``module_leaves``) from ``named[checkpoint name]``
+    (weights, arrays, or stand-ins such as ``jax.ShapeDtypeStruct`` or PartitionSpecs); a
+    missing required leaf raises KeyError."""
+    base, names = _module_base(cfg, index), _MODULE_NAMES[_naming(cfg)]
     return DrafterParams(
-        **{field: named[own + name] for field, name in names.items()},
-        layer=layer_from_named(named, layer, cfg=cfg),
-        embed_tokens=named.get("mtp.embed_tokens") if cfg.first_mtp_layer is None else None,
+        **{field: named[base + name] for field, name in names.items()},
+        layer=layer_from_named(named, module_prefix(cfg, index), cfg=cfg),
+        embed_tokens=named.get(base + "embed_tokens") if cfg.mtp_use_dedicated_embeddings else None,
     )
 
 

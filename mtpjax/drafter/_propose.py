@@ -533,8 +533,7 @@ def propose(
       cfg: static drafter config. num_drafts: static int >= 1; K = ``effective_num_drafts``
         (the single head: num_drafts; CLAMP: ``min(num_drafts, N)``; CYCLE: a multiple of N).
       hidden_contract: static; what steps 1.. consume (POST_NORM: h_out; PRE_NORM: the pre-norm
-        residual; PINNED: the anchor's target hidden); None: the family's
-        ``cfg.hidden_contract`` (DeepSeek: PRE_NORM, Qwen: POST_NORM).
+        residual; PINNED: the anchor's target hidden); None: ``cfg.default_hidden_contract``.
       bitmask: optional grammar mask, packed int32[B, W] (every draft) or [B, K, W] (per draft;
         ``[B, num_drafts, W]`` is cut to the first K); bit ``j % 32`` of word ``j // 32``
         allows token j. Applied before the argmax.
@@ -553,7 +552,7 @@ def propose(
     modules = as_modules(params, cfg)
     K = effective_num_drafts(modules.num_modules, num_drafts, modules.schedule)
     if hidden_contract is None:
-        hidden_contract = cfg.hidden_contract
+        hidden_contract = cfg.default_hidden_contract
     if not isinstance(hidden_contract, HiddenContract):
         raise TypeError(f"hidden_contract must be a HiddenContract, got {hidden_contract!r}")
     head_cfg = resolve_head_cfg(cfg, head_cfg)

@@ -45,6 +45,7 @@ class Leaf:
       embedding: a bf16 embedding table (``role`` is None).
       f32: an f32 array rather than bf16 (the router's score-correction bias, which checkpoints
         keep in F32 because expert choice compares it with sigmoid scores).
+      bias: an additive bias (``role`` is None), not a norm weight.
     """
 
     name: str
@@ -54,6 +55,7 @@ class Leaf:
     role: Projection | None = None
     embedding: bool = False
     f32: bool = False
+    bias: bool = False
 
 
 def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
@@ -74,6 +76,12 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
             ("self_attn.o_proj", (H, cfg.num_attention_heads * D), f"[hidden_size, {o}]", o_,
              P.O_PROJ),
         ]  # fmt: skip
+        if getattr(cfg, "attention_bias", False):
+            rows += [
+                ("self_attn.q_proj.bias", (cfg.q_proj_width,), f"[{q_width}]", ("heads",), None),
+                ("self_attn.k_proj.bias", (cfg.kv_width,), f"[{kv}]", ("kv_heads",), None),
+                ("self_attn.v_proj.bias", (cfg.kv_width,), f"[{kv}]", ("kv_heads",), None),
+            ]
     f32 = set()
     if cfg.qk_norm:
         norms = ("self_attn.q_norm", "self_attn.k_norm")
@@ -101,7 +109,15 @@ def layer_leaves(cfg: Any) -> tuple[Leaf, ...]:
     norms = ("input_layernorm", "post_attention_layernorm")
     rows += [(n, (H,), "[hidden_size]", ("embed",), None) for n in norms]
     return tuple(
-        Leaf(name=name, shape=shape, what=what, axes=axes, role=role, f32=name in f32)
+        Leaf(
+            name=name,
+            shape=shape,
+            what=what,
+            axes=axes,
+            role=role,
+            f32=name in f32,
+            bias=name.endswith("bias"),  # q/k/v_proj.bias, e_score_correction_bias
+        )
         for name, shape, what, axes, role in rows
     )
 
@@ -151,10 +167,12 @@ def layer_from_named(named: Mapping[str, Any], prefix: str, *, cfg: Any) -> Deco
     if getattr(cfg, "mla", None) is not None:
         attention: AttentionParams | MlaParams = mla_from_named(named, attn)
     else:
+        bias = getattr(cfg, "attention_bias", False)
         attention = AttentionParams(
             **{p: named[f"{attn}.{p}"] for p in ("q_proj", "k_proj", "v_proj", "o_proj")},
             q_norm=named.get(f"{attn}.q_norm"),
             k_norm=named.get(f"{attn}.k_norm"),
+            **{f"{p}_bias": named[f"{attn}.{p}_proj.bias"] if bias else None for p in "qkv"},
         )
     return DecoderLayerParams(
         input_layernorm=named[f"{prefix}input_layernorm"],
@@ -207,16 +225,17 @@ def init_leaf(
     (every projection reads a normed or O(1) vector) the outputs stay O(1). Norms: bf16
     ``norm_offset + N(0, 0.1^2)``, small but non-zero, since a zero-centred norm with w = 0 is
     the identity and would hide a wrong ``(1 + w)`` vs ``w`` convention from every test (a
-    plain ``x / rms * w`` norm takes ``norm_offset = 1``). Embeddings: bf16 N(0, 1). F32
-    leaves (a routing bias): f32 N(0, 0.1^2).
+    plain ``x / rms * w`` norm takes ``norm_offset = 1``). Embeddings: bf16 N(0, 1). Biases:
+    N(0, 0.1^2), bf16 or (a routing bias) f32.
     """
     x = draw(leaf.shape)
     if leaf.role is not None:
         fmt = projection_format(leaf.role, precision, dense_ffn=dense_ffn)
         return quantize(x * leaf.shape[-1] ** -0.5, fmt)
-    if leaf.f32:
-        return 0.1 * x
-    return (x if leaf.embedding else norm_offset + 0.1 * x).astype(jnp.bfloat16)
+    if leaf.embedding:
+        return x.astype(jnp.bfloat16)
+    value = 0.1 * x if leaf.bias else norm_offset + 0.1 * x
+    return value if leaf.f32 else value.astype(jnp.bfloat16)
 
 
 def partition_spec(value: Any, axes: tuple[str | None, ...], rules: Rules) -> Any:

@@ -1,5 +1,6 @@
-"""Gated GQA self-attention of the Qwen3-Next / Qwen3.5 family, split into the pieces the dense
-(teacher-forced) path, the paged decode path and the KV-only prefill share.
+"""GQA self-attention (Qwen3-Next / Qwen3.5's output-gated form, GLM-4.5's and Qwen2's with q/k/v
+bias), split into the pieces the dense (teacher-forced) path, the paged decode path and the
+KV-only prefill share.
 
 Shapes: `[..., T]` rows, `H` hidden, `Nq` / `Nkv` query / KV heads, `D` head dim,
 `[B, Tq, Tk]` attention masks.
@@ -26,7 +27,8 @@ from mtpjax.weights import Weight, linear
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AttentionParams:
     """q_proj: [Nq*D*(2 if gated), H] (per head `[q_h, gate_h]`); k/v_proj: [Nkv*D, H];
-    o_proj: [H, Nq*D]; q_norm / k_norm: [D] or None."""
+    o_proj: [H, Nq*D]; q_norm / k_norm: [D] or None; q_bias / k_bias / v_bias: the projections'
+    output bias ([Nq*D*(2 if gated)] / [Nkv*D]) or None."""
 
     q_proj: Weight
     k_proj: Weight
@@ -34,6 +36,15 @@ class AttentionParams:
     o_proj: Weight
     q_norm: jax.Array | None = None
     k_norm: jax.Array | None = None
+    q_bias: jax.Array | None = None
+    k_bias: jax.Array | None = None
+    v_bias: jax.Array | None = None
+
+
+def _project(x: jax.Array, w: Weight, bias: jax.Array | None, implementation) -> jax.Array:
+    """``x @ w.T (+ bias)``: [..., H] -> f32[..., N]."""
+    y = linear(x, w, out_dtype=jnp.float32, implementation=implementation)
+    return y if bias is None else y + bias.astype(jnp.float32)
 
 
 def _norm_rope(x: jax.Array, w: jax.Array | None, positions: jax.Array, cfg: Any) -> jax.Array:
@@ -51,8 +62,8 @@ def project_kv(
     K gets its head norm and RoPE here, so a cache row is final once written.
     """
     lead = x.shape[:-1]
-    k = linear(x, params.k_proj, out_dtype=jnp.float32, implementation=implementation)
-    v = linear(x, params.v_proj, out_dtype=jnp.float32, implementation=implementation)
+    k = _project(x, params.k_proj, params.k_bias, implementation)
+    v = _project(x, params.v_proj, params.v_bias, implementation)
     k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     return _norm_rope(k, params.k_norm, positions, cfg), v
@@ -63,7 +74,7 @@ def project_q(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Queries f32[..., T, Nq, D] (normed, rotated) and the output gate f32[..., T, Nq, D] or None."""
     lead = x.shape[:-1]
-    q = linear(x, params.q_proj, out_dtype=jnp.float32, implementation=implementation)
+    q = _project(x, params.q_proj, params.q_bias, implementation)
     gate = None
     if cfg.attn_output_gate:
         # The projection is interleaved per head: [q_h (D), gate_h (D)] for each head h.

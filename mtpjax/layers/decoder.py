@@ -1,4 +1,4 @@
-"""One pre-norm transformer decoder layer (gated GQA attention + dense or MoE FFN), residual form.
+"""One pre-norm transformer decoder layer (GQA or MLA attention + dense or MoE FFN), residual form.
 
     a = input_layernorm(x);            x = x + o_proj(attn(a) * sigmoid(gate))
     y = post_attention_layernorm(x);   x = x + ffn(y)
@@ -10,9 +10,8 @@ paths cannot drift apart.
 Shapes: ``[B]`` sequences, ``[T]`` rows, ``H`` hidden; everything returned is F32.
 
 ``cfg`` is any object with the attention attributes listed in ``mtpjax.layers.attention`` plus
-``rms_norm_eps``, ``zero_centered_norm`` and ``moe`` (a ``MoeConfig`` for MoE layers:
-``num_experts_per_tok`` and ``norm_topk_prob`` drive the routing). The layer's leaves are
-described in ``mtpjax.layers._spec``.
+``rms_norm_eps``, ``zero_centered_norm`` and ``moe`` (a ``MoeConfig`` for MoE layers, which
+drives the routing). The layer's leaves are described in ``mtpjax.layers._spec``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Feed-forward blocks: SwiGLU dense FFN and the routed MoE with an optional shared expert.
 
-Routers: Qwen's softmax over all experts then top-k; DeepSeek's / GLM's sigmoid scores, with the
-``e_score_correction_bias`` added for the choice only and the choice restricted to the best
-``topk_group`` of ``n_group`` expert groups (a group scored by the sum of its top-2 biased
-scores), weighted by the unbiased scores and ``routed_scaling_factor``.
+Routers: Qwen's softmax over all experts then top-k; DeepSeek-V3 / GLM-4.5's sigmoid scores, with
+the ``e_score_correction_bias`` added for the choice only and the choice restricted to the best
+``topk_group`` of ``n_group`` expert groups, weighted by the unbiased scores and
+``routed_scaling_factor``. Qwen gates its shared expert by a sigmoid; DeepSeek / GLM add it ungated.
 
 Shapes: `[T]` rows (any leading dims are flattened), `H` hidden, `I` expert width, `E` experts,
 `k` experts per token, `G` expert groups.
@@ -71,11 +71,13 @@ def route(
 ) -> tuple[jax.Array, jax.Array]:
     """Expert weights and ids of each row: router_logits [T, E] -> (f32[T, k], int32[T, k]).
 
-    Scores are ``softmax`` or ``sigmoid`` of the logits in F32. The choice ranks the scores plus
-    ``correction_bias`` f32[E] (when given) among the experts of the ``topk_group`` best of
-    ``n_group`` contiguous groups (with ``n_group > 1``: a group's rank is the sum of its two
-    best biased scores); the weights are the chosen experts' unbiased scores, divided by their
-    sum when ``normalize``, times ``routed_scaling_factor``.
+    Scores are ``softmax`` over all experts or a per-expert ``sigmoid`` of the logits, in F32.
+    The top-k is taken over the scores plus ``correction_bias`` f32[E] (selection only: the
+    weights are the scores themselves), among the experts of the ``topk_group`` best of
+    ``n_group`` equal contiguous groups (a group's value: the sum of its two best biased scores
+    with a correction bias, as DeepSeek-V3 / GLM-4.5's ``noaux_tc``; else its best score, as
+    DeepSeek-V2's group-limited greedy). The weights are divided by their sum when
+    ``normalize``, then multiplied by ``routed_scaling_factor``.
     """
     logits = router_logits.astype(jnp.float32)
     if scoring is RouterScoring.SOFTMAX:
@@ -86,8 +88,11 @@ def route(
     if n_group > 1:
         T, E = choice.shape
         grouped = choice.reshape(T, n_group, E // n_group)
-        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
-        _, best = jax.lax.top_k(group_scores, topk_group)
+        if correction_bias is None:
+            group_value = jnp.max(grouped, axis=-1)
+        else:
+            group_value = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        _, best = jax.lax.top_k(group_value, topk_group)  # [T, topk_group]
         keep = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], best].set(True)
         choice = jnp.where(jnp.repeat(keep, E // n_group, axis=1), choice, -jnp.inf)
     _, ids = jax.lax.top_k(choice, top_k)

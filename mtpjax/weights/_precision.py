@@ -71,7 +71,7 @@ def parse_projection(name: str | Projection) -> Projection:
     Accepts the role names (``"q_proj"``, ``"experts"``, ``"router"``...), the aliases ``eh_proj``,
     ``input_proj`` and ``gate``, and full checkpoint paths such as
     ``"mtp.layers.0.mlp.experts.3.up_proj.weight"`` (anything under ``experts`` or
-    ``shared_expert`` takes that role). Unknown names raise ValueError.
+    ``shared_expert`` / ``shared_experts`` takes that role). Unknown names raise ValueError.
     """
     if isinstance(name, Projection):
         return name
@@ -82,7 +82,7 @@ def parse_projection(name: str | Projection) -> Projection:
         parts = parts[:-1]
     if "experts" in parts[:-1] or (parts and parts[-1] == "gate_up_proj"):
         return Projection.EXPERTS
-    if "shared_expert" in parts[:-1]:
+    if "shared_expert" in parts[:-1] or "shared_experts" in parts[:-1]:  # Qwen; DeepSeek, GLM
         return Projection.SHARED_EXPERT
     last = parts[-1] if parts else ""
     if last in _PROJECTION_ALIASES:
