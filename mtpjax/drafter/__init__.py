@@ -38,10 +38,13 @@ from mtpjax.drafter._propose import (
     propose,
     unpack_bitmask,
 )
+from mtpjax.drafter._sampling import DEFAULT_DRAFT_TOP_K, DraftProbs
 from mtpjax.drafter._trim import after_verify, free, module_trims, rows_to_trim, rows_written
 from mtpjax.kv.state import DrafterState, WindowError, init_state, raise_on_state_error
 
 __all__ = [
+    "DEFAULT_DRAFT_TOP_K",
+    "DraftProbs",
     "DrafterModules",
     "DrafterOutput",
     "DrafterParams",
