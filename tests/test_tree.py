@@ -295,6 +295,28 @@ def test_greedy_tree_speculation_equals_plain_greedy_reference(ref_pair, branchi
     _greedy_pair(model, head, cfg, d, dcfg, TreeShape(branching), prompts, lengths, 12)
 
 
+def test_sampled_tree_speculation_emits_valid_tokens(ref_pair):
+    params, head, dcfg, d = ref_pair
+    model = mtpjax.reference_target(REF, params, head)
+    prompts = np.asarray(_tokens((3, 8), 12, V))
+    lengths = np.array([3, 8, 5], np.int32)
+    out = jax.device_get(
+        mtpjax.generate(
+            model, d, head, prompts, lengths, drafter_cfg=dcfg, num_drafts=TREE.depth,
+            tree=TREE, head_cfg=REF.lm_head_config(), max_new_tokens=12, temperature=1.0,
+            key=jax.random.key(0),
+        )
+    )  # fmt: skip
+    np.testing.assert_array_equal(out.lengths, 12)
+    assert ((out.tokens >= 0) & (out.tokens < V)).all()
+    assert int(out.metrics.num_accepted_tokens) > 0
+    with pytest.raises(ValueError, match="num_drafts=2 must equal the depth 3"):
+        mtpjax.generate(
+            model, d, head, prompts, lengths, drafter_cfg=dcfg, num_drafts=2, tree=TREE,
+            head_cfg=REF.lm_head_config(), max_new_tokens=4,
+        )  # fmt: skip
+
+
 def test_greedy_tree_speculation_equals_plain_greedy_hybrid(hybrid_pair):  # noqa: F811
     params, head, dcfg, d = hybrid_pair
     model = hybrid.target_model(EXACT, params, head, max_step=TREE.num_rows)
