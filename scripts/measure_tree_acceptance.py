@@ -36,11 +36,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from measure_acceptance import heldout_snippets, load_drafters  # noqa: E402
+from measure_acceptance import heldout_snippets, load_drafters
 
-from mtpjax import demo, hybrid  # noqa: E402
-from mtpjax import generation as gen  # noqa: E402
-from mtpjax.draft_tree import TreeShape  # noqa: E402
+from mtpjax import demo, hybrid
+from mtpjax import generation as gen
+from mtpjax.draft_tree import TreeShape
 
 DEFAULT_TREES = "2,1,1;2,2,1;3,1,1;2,2,2"
 
