@@ -118,7 +118,8 @@ def main(argv=None) -> int:
                 )
             )
             identical = bool(
-                np.array_equal(out.tokens, base.tokens) and np.array_equal(out.lengths, base.lengths)
+                np.array_equal(out.tokens, base.tokens)
+                and np.array_equal(out.lengths, base.lengths)
             )
             kv_ok = not np.any(out.kv_error)
             ok &= identical and kv_ok
