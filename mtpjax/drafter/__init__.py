@@ -38,6 +38,7 @@ from mtpjax.drafter._propose import (
     propose,
     unpack_bitmask,
 )
+from mtpjax.drafter._tree import TreeDrafts, propose_tree
 from mtpjax.drafter._trim import after_verify, free, module_trims, rows_to_trim, rows_written
 from mtpjax.kv.state import DrafterState, WindowError, init_state, raise_on_state_error
 
@@ -49,6 +50,7 @@ __all__ = [
     "ModuleSchedule",
     "Pairs",
     "ProposeOutput",
+    "TreeDrafts",
     "WindowError",
     "after_verify",
     "check_prefill_support",
@@ -71,6 +73,7 @@ __all__ = [
     "prefill",
     "projection_formats",
     "propose",
+    "propose_tree",
     "raise_on_state_error",
     "rows_to_trim",
     "rows_written",

@@ -7,7 +7,7 @@ rounds; `verify` is the whole round (LM head, accept, drafter trimming) as one j
 `accept` and `metrics` are public; the accept function is also `mtpjax.accept`.
 """
 
-from mtpjax.verify import accept, metrics
+from mtpjax.verify import accept, metrics, tree
 from mtpjax.verify._step import VerifyOutput, verify
 from mtpjax.verify.accept import PLACEHOLDER_TOKEN_ID, AcceptResult
 from mtpjax.verify.metrics import SpecDecodeMetrics
@@ -19,5 +19,6 @@ __all__ = [
     "VerifyOutput",
     "accept",
     "metrics",
+    "tree",
     "verify",
 ]
