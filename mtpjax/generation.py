@@ -59,6 +59,7 @@ import numpy as np
 from mtpjax import drafter as drafter_lib
 from mtpjax import reference
 from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig, configs_by_name
+from mtpjax.draft_tree import TreeShape, as_tree
 from mtpjax.drafter import DrafterModules, DrafterParams, Pairs
 from mtpjax.head import LMHeadParams, lm_head
 from mtpjax.target_model import TargetModel
@@ -66,6 +67,7 @@ from mtpjax.verify import SpecDecodeMetrics, verify
 from mtpjax.verify import draft_length as draft_length_lib
 from mtpjax.verify import metrics as metrics_lib
 from mtpjax.verify.accept import check_temperature
+from mtpjax.verify.tree import verify_tree
 from mtpjax.weights import WeightFormat
 from pallas_kernels.implementation import Implementation
 
@@ -106,6 +108,25 @@ class _ReferenceCall:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _ReferenceTreeCall:
+    """``reference.target_tree_step`` on ``(params, head)``."""
+
+    cfg: reference.TargetConfig
+    implementation: Implementation
+
+    def __call__(self, params, cache, tokens, start, parents):
+        target, head = params
+        return reference.target_tree_step(
+            target, head, cache, tokens, start, parents, cfg=self.cfg,
+            implementation=self.implementation,
+        )  # fmt: skip
+
+
+def _reference_commit(params, cache, start, path):
+    return reference.commit_path(cache, start, path)
+
+
 def reference_target(
     cfg: reference.TargetConfig,
     params: reference.TargetParams,
@@ -123,6 +144,8 @@ def reference_target(
         init_cache=_ReferenceInitCache(cfg=cfg),
         prefill=_ReferenceCall(fn=reference.target_prefill, cfg=cfg, implementation=implementation),
         step=_ReferenceCall(fn=reference.target_step, cfg=cfg, implementation=implementation),
+        tree_step=_ReferenceTreeCall(cfg=cfg, implementation=implementation),
+        commit_path=_reference_commit,
     )
 
 
@@ -499,6 +522,71 @@ def _spec_round(
     )
 
 
+def _tree_round(
+    c: _Loop,
+    *,
+    tree: TreeShape,
+    target: TargetModel,
+    drafter: DrafterParams | DrafterModules,
+    head: LMHeadParams,
+    drafter_head: LMHeadParams,
+    temperature: jax.Array,
+    drafter_cfg: DrafterConfig,
+    head_cfg: LMHeadConfig,
+    eos_id: int | None,
+    hidden_contract: HiddenContract,
+    implementation: str,
+) -> _Loop:
+    """One tree round: ``propose_tree``, the target's tree step over the S tree rows, the
+    longest accepted path (``verify_tree``), the target's ``commit_path``, and the commit. The
+    next window is the path's tokens with the target's hidden of the path's rows."""
+    B = c.last.shape[0]
+    active = ~c.out.done
+    drafts, state = drafter_lib.propose_tree(
+        drafter,
+        drafter_head,
+        c.state,
+        dataclasses.replace(c.pairs, active=active),
+        tree=tree,
+        hidden_contract=hidden_contract,
+        cfg=drafter_cfg,
+        implementation=implementation,
+    )
+    window = jnp.concatenate([c.last[:, None], jnp.maximum(drafts.tokens, 0)], axis=1)  # [B, S]
+    parents = jnp.asarray(tree.parents())
+    tree_hidden, cache = target.tree_step(target.params, c.cache, window, c.position, parents)
+    chex.assert_shape(tree_hidden, (B, tree.num_rows, c.pairs.hidden.shape[-1]))
+    key, sub = _split(c.key)
+    result = verify_tree(
+        head,
+        tree_hidden,
+        drafts,
+        cfg=head_cfg,
+        tree=tree,
+        temperature=temperature,
+        key=sub,
+        metrics=c.metrics,
+        active=active,
+        implementation=implementation,
+    )
+    cache = target.commit_path(target.params, cache, c.position, result.path)
+    count = result.num_output  # 0 for finished sequences
+    new = jnp.maximum(result.output_tokens, 0)  # [B, D+1]
+    path_hidden = jnp.take_along_axis(tree_hidden, result.path[..., None], axis=1)
+    return _Loop(
+        cache=cache,
+        state=state,
+        pairs=Pairs(tokens=new, hidden=path_hidden, count=count, start=c.position),
+        position=c.position + count,
+        last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
+        out=_commit(c.out, new, count, eos_id),
+        metrics=result.metrics,
+        key=key,
+        steps=c.steps + 1,
+        active_steps=c.active_steps + active.astype(jnp.int32),
+    )
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -513,6 +601,7 @@ def _spec_round(
         "draft_sampling",
         "draft_top_k",
         "draft_length",
+        "tree",
     ),
 )
 def _generate(
@@ -536,9 +625,10 @@ def _generate(
     draft_sampling: bool = False,
     draft_top_k: int = drafter_lib.DEFAULT_DRAFT_TOP_K,
     draft_length: draft_length_lib.DraftLengthPolicy | None = None,
+    tree: TreeShape | None = None,
 ) -> GenerateOutput:
-    """Both loops: speculation with ``K = step_width - 1`` drafts per round, or plain decoding
-    when ``drafter`` is None."""
+    """Both loops: speculation with ``K = step_width - 1`` drafts per round (a ``tree``: its
+    S = ``step_width`` rows), or plain decoding when ``drafter`` is None."""
     loop = _start(
         target,
         drafter,
@@ -555,6 +645,27 @@ def _generate(
         eos_id=eos_id,
         implementation=implementation,
     )
+    if tree is not None:
+        D = tree.depth
+        window = dataclasses.replace(
+            loop.pairs, tokens=loop.pairs.tokens[:, : D + 1], hidden=loop.pairs.hidden[:, : D + 1]
+        )
+        loop = dataclasses.replace(loop, pairs=window, metrics=metrics_lib.empty(D))
+        round_ = functools.partial(
+            _tree_round,
+            tree=tree,
+            target=target,
+            drafter=drafter,
+            head=head,
+            drafter_head=drafter_head,
+            temperature=temperature,
+            drafter_cfg=drafter_cfg,
+            head_cfg=head_cfg,
+            eos_id=eos_id,
+            hidden_contract=hidden_contract,
+            implementation=implementation,
+        )
+        return _run(round_, loop)
     if drafter is not None:
         round_ = functools.partial(
             _spec_round,
@@ -635,6 +746,7 @@ def generate(
     draft_sampling: bool = True,
     draft_top_k: int = drafter_lib.DEFAULT_DRAFT_TOP_K,
     draft_length: draft_length_lib.DraftLengthPolicy | None = None,
+    tree: TreeShape | tuple[int, ...] | None = None,
 ) -> GenerateOutput:
     """Speculative generation of ``max_new_tokens`` tokens per prompt; one jit.
 
@@ -669,11 +781,18 @@ def generate(
         ``min(1, p/q)``; False drafts by argmax (one-hot ``q``: accepted with probability
         ``p(x)``). Both are exact; sampling is the default because it accepts more wherever the
         drafter's tempered distribution is close to the target's (BENCHMARKS.md, acceptance),
-        as vLLM, SGLang and TensorRT-LLM draft. Greedy runs are untouched by it.
+        as vLLM, SGLang and TensorRT-LLM draft. Greedy runs and trees are untouched by it.
       draft_top_k: static int >= 1, the support of each sampled draft's proposal.
       draft_length: static ``verify.draft_length.DraftLengthPolicy`` for K drafts: each round
         each sequence sends the drafts its goodput estimate picks (``metrics`` counts the
         proposed and the sent); None sends every valid draft.
+      tree: static; None drafts chains. A ``TreeShape`` (or its branching, e.g. ``(2, 2, 1)``)
+        drafts that tree each round (``drafter.propose_tree``; one MTP module) and verifies it
+        in one target ``tree_step`` of S rows (``verify.tree``: the longest accepted path,
+        greedy or lossless multi-candidate sampling), then the target's ``commit_path``. The
+        target must provide both; ``num_drafts`` must equal the tree's depth D (metrics count
+        D positions a round); ``refeed`` does not apply (the path is always rebuilt). Greedy, it
+        matches ``generate_baseline(step_width=S)`` token for token.
 
     Returns:
       ``GenerateOutput``: tokens [B, N], lengths [B], metrics over K positions, target_steps
@@ -697,6 +816,17 @@ def generate(
     contract = _parse_contract(hidden_contract)
     if not isinstance(refeed, bool):
         raise TypeError(f"refeed must be a Python bool, got {refeed!r}")
+    step_width = num_drafts + 1
+    if tree is not None:
+        tree = as_tree(tree)
+        if num_drafts != tree.depth:
+            raise ValueError(
+                f"num_drafts={num_drafts} must equal the depth {tree.depth} of tree "
+                f"{tree.branching}"
+            )
+        if target.tree_step is None or target.commit_path is None:
+            raise ValueError("tree drafting needs a TargetModel with tree_step and commit_path")
+        step_width = tree.num_rows
     if not isinstance(draft_sampling, bool):
         raise TypeError(f"draft_sampling must be a Python bool, got {draft_sampling!r}")
     draft_top_k = _check_static_int("draft_top_k", draft_top_k, 1)
@@ -711,7 +841,9 @@ def generate(
                 f"draft_length has costs for K={draft_length.num_drafts} drafts, the run drafts "
                 f"K={num_drafts}"
             )
-    sampling = draft_sampling and key is not None
+    sampling = draft_sampling and key is not None and tree is None  # trees: their own rule
+    if tree is not None and draft_length is not None:
+        raise ValueError("draft_length applies to chains; a tree verifies all its rows")
     return _generate(
         target,
         drafter,
@@ -724,7 +856,7 @@ def generate(
         drafter_cfg=drafter_cfg,
         head_cfg=head_cfg,
         max_new_tokens=_check_static_int("max_new_tokens", max_new_tokens, 1),
-        step_width=num_drafts + 1,
+        step_width=step_width,
         eos_id=_check_eos(eos_id, head_cfg.vocab_size),
         hidden_contract=contract,
         refeed=refeed,
@@ -733,6 +865,7 @@ def generate(
         draft_sampling=sampling,
         draft_top_k=draft_top_k if sampling else drafter_lib.DEFAULT_DRAFT_TOP_K,
         draft_length=draft_length,
+        tree=tree,
     )
 
 

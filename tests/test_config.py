@@ -617,6 +617,11 @@ def test_unknown_model_type_lists_the_known_ones():
         DrafterConfig.from_hf_config(edited(QWEN3_NEXT_80B, "model_type", "llama"))
 
 
+def test_a_known_mtp_model_not_yet_described_says_what_is_missing():
+    with pytest.raises(ValueError, match=r"'mimo_v2_flash': .*sliding-window attention"):
+        DrafterConfig.from_hf_config(edited(QWEN3_NEXT_80B, "model_type", "mimo_v2_flash"))
+
+
 @pytest.mark.parametrize(
     ("base", "path", "value", "match"),
     [

@@ -131,9 +131,9 @@ def test_mosaic_lowering_takes_the_whole_stack(fmt):
     "fmt, rows", [("bf16", 1), ("bf16", 4), ("bf16", 32), ("fp8", 1), ("nvfp4", 4), ("nvfp4", 96)]
 )
 def test_a_scan_over_layers_copies_no_layer_on_gpu(fmt, rows):
-    """Compiled for the GPU, the scan's temporaries stay far below one layer's weight (a
-    sliced-out layer would be copied whole before the kernel), and every entry's product is
-    the entry alone's on the same kernel."""
+    """Compiled for the GPU, the scan's temporaries stay below one layer's weight (a sliced-out
+    layer would be copied whole before the kernel), and every entry's product is the entry
+    alone's on the same kernel."""
     n = k = 4096
     stack, entries = _stack(fmt, n, k)
     x = jax.random.normal(jax.random.key(0), (rows, k)).astype(jnp.bfloat16)
@@ -145,8 +145,10 @@ def test_a_scan_over_layers_copies_no_layer_on_gpu(fmt, rows):
         return jax.lax.scan(body, None, jnp.arange(L, dtype=jnp.int32))[1]
 
     compiled = jax.jit(layers).lower(x, stack).compile()
+    # A copied layer would take a whole entry; the kernels' own temporaries (split-K partial
+    # sums, split x rows x N F32: 8 MB at 32 rows) stay well below it.
     temp = compiled.memory_analysis().temp_size_in_bytes
-    assert temp < entries[0].nbytes // 8, (temp, entries[0].nbytes)
+    assert temp < entries[0].nbytes // 2, (temp, entries[0].nbytes)
     got = np.asarray(compiled(x, stack))
     backend = linear_backend(rows, entries[0])
     for i, w in enumerate(entries):

@@ -39,6 +39,7 @@ from mtpjax.drafter._propose import (
     unpack_bitmask,
 )
 from mtpjax.drafter._sampling import DEFAULT_DRAFT_TOP_K, DraftProbs
+from mtpjax.drafter._tree import TreeDrafts, propose_tree
 from mtpjax.drafter._trim import after_verify, free, module_trims, rows_to_trim, rows_written
 from mtpjax.kv.state import DrafterState, WindowError, init_state, raise_on_state_error
 
@@ -52,6 +53,7 @@ __all__ = [
     "ModuleSchedule",
     "Pairs",
     "ProposeOutput",
+    "TreeDrafts",
     "WindowError",
     "after_verify",
     "check_prefill_support",
@@ -74,6 +76,7 @@ __all__ = [
     "prefill",
     "projection_formats",
     "propose",
+    "propose_tree",
     "raise_on_state_error",
     "rows_to_trim",
     "rows_written",

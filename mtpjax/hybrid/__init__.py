@@ -20,17 +20,20 @@ from mtpjax.hybrid._delta import (
     chunked_delta_rule,
     l2_normalize,
     recurrent_delta_rule,
+    tree_delta_rule,
 )
 from mtpjax.hybrid._load import load
 from mtpjax.hybrid._model import (
     GdnState,
     HybridState,
     commit,
+    commit_path,
     forward,
     init_state,
     prefill,
     step,
     target_model,
+    tree_step,
 )
 from mtpjax.hybrid._params import GdnLayerParams, GdnParams, HybridParams, init, model_leaves
 
@@ -46,6 +49,7 @@ __all__ = [
     "causal_conv",
     "chunked_delta_rule",
     "commit",
+    "commit_path",
     "forward",
     "init",
     "init_state",
@@ -56,4 +60,6 @@ __all__ = [
     "recurrent_delta_rule",
     "step",
     "target_model",
+    "tree_delta_rule",
+    "tree_step",
 ]

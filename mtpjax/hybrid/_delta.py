@@ -30,7 +30,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["causal_conv", "chunked_delta_rule", "l2_normalize", "recurrent_delta_rule"]
+__all__ = [
+    "causal_conv",
+    "chunked_delta_rule",
+    "l2_normalize",
+    "recurrent_delta_rule",
+    "tree_delta_rule",
+]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -42,21 +48,38 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def causal_conv(x: jax.Array, weight: jax.Array) -> jax.Array:
+def causal_conv(x: jax.Array, weight: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """Depthwise causal conv with SiLU: x f32[B, K-1+T, C] (K-1 rows of history, then T new
     inputs), weight [C, 1, K] -> f32[B, T, C].
 
     ``out[t] = silu(sum_j weight[:, 0, j] * x[t + j])``: tap K-1 meets the newest input. The taps
     are summed in order, one elementwise pass each, so a row's value does not depend on how
-    many rows share the call.
+    many rows share the call. ``rows`` int32[T, K] replaces ``t + j`` by ``rows[t, j]`` (a draft
+    tree's rows read their own ancestors' inputs), with the same arithmetic.
     """
     K = weight.shape[-1]
     T = x.shape[1] - (K - 1)
     w = weight[:, 0, :].astype(jnp.float32)  # [C, K]
-    acc = x[:, 0:T] * w[:, 0]
+
+    def tap(j):
+        return x[:, j : j + T] if rows is None else x[:, rows[:, j]]
+
+    acc = tap(0) * w[:, 0]
     for j in range(1, K):
-        acc = acc + x[:, j : j + T] * w[:, j]
+        acc = acc + tap(j) * w[:, j]
     return jax.nn.silu(acc)
+
+
+def _delta_step(s, xs):
+    """One position of the delta rule for every sequence and head: state s f32[B, Hv, dk, dv]
+    and (q, k [B, Hv, dk], v [B, Hv, dv], g, beta [B, Hv]) -> (new state, o f32[B, Hv, dv])."""
+    q_t, k_t, v_t, g_t, b_t = xs
+    s = s * jnp.exp(g_t)[..., None, None]
+    kv = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=_HI)
+    u = (v_t - kv) * b_t[..., None]
+    s = s + k_t[..., :, None] * u[..., None, :]
+    o = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=_HI)
+    return s, o
 
 
 def recurrent_delta_rule(
@@ -71,17 +94,46 @@ def recurrent_delta_rule(
     """
 
     def body(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[..., None, None]
-        kv = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=_HI)
-        u = (v_t - kv) * b_t[..., None]
-        s = s + k_t[..., :, None] * u[..., None, :]
-        o = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=_HI)
+        s, o = _delta_step(s, xs)
         return s, (o, s)
 
     xs = tuple(jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta))
     _, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), xs)
     return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+
+
+def tree_delta_rule(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    parents: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The delta rule over a draft tree: node i continues from its parent's state (``state``
+    for the root, ``parents[i] = -1``), so every root-to-leaf path sees exactly the recurrence
+    of a chain over its tokens. A ``lax.scan`` over the nodes in order (``parents[i] < i``)
+    with the step of ``recurrent_delta_rule``, so a node's result is the one a chain row over
+    the same inputs gets.
+
+    Shapes as ``recurrent_delta_rule`` with T = S nodes; parents: int32[S]. Returns (o f32[B,
+    S, Hv, dv], states f32[B, S, Hv, dk, dv]: the state after each node).
+    """
+    S = q.shape[1]
+    state = state.astype(jnp.float32)
+    # Slot 0 holds the state before the tree, slot i + 1 the state after node i.
+    buffer = jnp.zeros((S + 1, *state.shape), jnp.float32).at[0].set(state)
+
+    def body(buffer, xs):
+        i, parent, step_inputs = xs
+        s, o = _delta_step(buffer[parent + 1], step_inputs)
+        return buffer.at[i + 1].set(s), o
+
+    xs = tuple(jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta))
+    nodes = jnp.arange(S, dtype=jnp.int32)
+    buffer, o = jax.lax.scan(body, buffer, (nodes, jnp.asarray(parents, jnp.int32), xs))
+    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(buffer[1:], 0, 1)
 
 
 def chunked_delta_rule(

@@ -55,13 +55,21 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.config import check_int, configs_by_name
+from mtpjax.draft_tree import ancestor_table, tree_depths
 from mtpjax.head import LMHeadParams, embed
 from mtpjax.hybrid._config import GdnLayout, HybridConfig, LayerType
-from mtpjax.hybrid._delta import causal_conv, chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from mtpjax.hybrid._delta import (
+    causal_conv,
+    chunked_delta_rule,
+    l2_normalize,
+    recurrent_delta_rule,
+    tree_delta_rule,
+)
 from mtpjax.hybrid._params import GdnParams, HybridParams, check_params, layer_view
 from mtpjax.layers import attend, output_projection, project_kv, project_q, rms_norm
 from mtpjax.layers.decoder import apply_ffn
 from mtpjax.reference import TargetCache
+from mtpjax.reference.target import move_rows, tree_cache_mask
 from mtpjax.target_model import TargetModel
 from mtpjax.weights import layer_of, linear
 from pallas_kernels.implementation import Implementation
@@ -70,11 +78,13 @@ __all__ = [
     "GdnState",
     "HybridState",
     "commit",
+    "commit_path",
     "forward",
     "init_state",
     "prefill",
     "step",
     "target_model",
+    "tree_step",
 ]
 
 
@@ -455,6 +465,12 @@ def step(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("state",))
 def _step(params, head, state, tokens, start, *, cfg, implementation):
+    return _run_step(params, head, state, tokens, start, None, cfg, implementation)
+
+
+def _run_step(params, head, state, tokens, start, parents, cfg, implementation):
+    """A chain step (``parents`` None: row i at position ``start + i``) or a tree step
+    (``parents`` int32[S]: row i at ``start + depth(i)``, over its ancestors only)."""
     _check_call(params, cfg)
     _check_tokens(tokens)
     B, S = tokens.shape
@@ -469,17 +485,31 @@ def _step(params, head, state, tokens, start, *, cfg, implementation):
     K = cfg.linear_conv_kernel_dim
     start = jnp.asarray(start, jnp.int32)
     j = _snapshot_index(state, start)
-    positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S]
+    slots = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S] cache rows written
     batch_idx = jnp.arange(B)[:, None]
+    if parents is None:
+        positions, conv_rows = slots, None
+    else:
+        parents = jnp.asarray(parents, jnp.int32)
+        depth = tree_depths(parents)
+        positions = start[:, None] + depth[None, :]
+        # Tap t of node i reads the input m = K-1-t steps up its path: its m-th ancestor's row
+        # of the step when m <= depth(i), else history row K-1 - (m - depth(i)).
+        up = ancestor_table(parents, K - 1)[::-1]  # [K, S], tap order
+        steps_up = (K - 1 - jnp.arange(K, dtype=jnp.int32))[:, None]
+        conv_rows = jnp.where(up >= 0, K - 1 + up, K - 1 + depth[None, :] - steps_up).T
 
     # ``st`` is a slot's whole [G]-stacked state, carried through the scan: group ``group``
     # writes only its S KV rows, conv inputs and snapshots into it, in place.
     def slot(p, lp, group, x, st):
         if isinstance(st, TargetCache):
-            mask = jnp.arange(st.k.shape[2])[None, None, :] <= positions[:, :, None]
+            if parents is None:
+                mask = jnp.arange(st.k.shape[2])[None, None, :] <= positions[:, :, None]
+            else:
+                mask = tree_cache_mask(start, parents, st.k.shape[2])
 
             def write(k, v):
-                where = (group, batch_idx, positions)
+                where = (group, batch_idx, slots)
                 k_all = st.k.at[where].set(k.astype(st.k.dtype), mode="drop")
                 v_all = st.v.at[where].set(v.astype(st.v.dtype), mode="drop")
                 return (k_all[group], v_all[group], mask), TargetCache(k=k_all, v=v_all)
@@ -491,8 +521,12 @@ def _step(params, head, state, tokens, start, *, cfg, implementation):
         a = _norm(x, lp.input_layernorm, cfg)
         mixed, z, b, alpha = _gdn_inputs(gdn, a, cfg, implementation)
         xp = jnp.concatenate([history, mixed], axis=1)  # [B, K-1+S, C]
-        q, k, v, g, beta = _gdn_core_inputs(gdn, causal_conv(xp, gdn.conv1d), b, alpha, cfg)
-        o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
+        conv = causal_conv(xp, gdn.conv1d, conv_rows)
+        q, k, v, g, beta = _gdn_core_inputs(gdn, conv, b, alpha, cfg)
+        if parents is None:
+            o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
+        else:
+            o, states = tree_delta_rule(q, k, v, g, beta, s0, parents)
         x = x + _gdn_output(gdn, o, z, cfg, implementation)
         new = GdnState(
             conv=st.conv.at[group, :, : K - 1 + S].set(xp),
@@ -503,6 +537,70 @@ def _step(params, head, state, tokens, start, *, cfg, implementation):
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
     x, layers, _, _ = _scan_groups(params, x, state.layers, slot, cfg)
     return _norm(x, params.final_norm, cfg), HybridState(layers=layers, base=start)
+
+
+@configs_by_name
+def tree_step(
+    params: HybridParams,
+    head: LMHeadParams,
+    state: HybridState,
+    tokens: jax.Array,
+    start: jax.Array,
+    parents: jax.Array,
+    *,
+    cfg: HybridConfig,
+    implementation: Implementation | str = Implementation.AUTO,
+) -> tuple[jax.Array, HybridState]:
+    """Runs a draft tree of S rows per sequence after its committed length ``start`` int32[B].
+
+    tokens: int32[B, S], row i the token of tree node i; parents: int32[S] (``mtpjax.draft_tree``:
+    ``parents[0] = -1``, ``parents[i] < i``). Row i is at position ``start + depth(i)``. Full
+    attention: written at KV row ``start + i``, it attends to the rows before ``start`` and to
+    its ancestors'. GDN, per branch: node i's conv reads the inputs along its own path (its
+    ancestors', then the committed history) and its recurrent state continues from its
+    parent's, so every root-to-leaf path gets exactly a chain step's recurrence; the S
+    per-node states are kept as the snapshots. ``commit_path`` then makes the state a chain
+    step over the accepted path would have left. Needs ``max_step >= S``. Donates ``state``.
+    """
+    impl = Implementation.parse(implementation).value
+    return _tree_step(params, head, state, tokens, start, parents, cfg=cfg, implementation=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("state",))
+def _tree_step(params, head, state, tokens, start, parents, *, cfg, implementation):
+    if parents.shape != (tokens.shape[1],):
+        raise ValueError(
+            f"parents must be int32[S={tokens.shape[1]}], got shape {tuple(parents.shape)}"
+        )
+    return _run_step(params, head, state, tokens, start, parents, cfg, implementation)
+
+
+def commit_path(
+    state: HybridState, start: jax.Array, path: jax.Array, *, cfg: HybridConfig
+) -> HybridState:
+    """After ``tree_step`` at ``start`` int32[B]: the accepted path (node numbers int32[B, P],
+    root first, ``path[:, d]`` at depth d) becomes the step's rows 0..P-1: KV rows and GDN
+    conv inputs and snapshots are moved there, so the state is the one a chain step over the
+    path's tokens leaves and the next step at ``start + accepted + 1`` selects the snapshot
+    after the last accepted node. Donates ``state``; one jit."""
+    return _commit_path(state, jnp.asarray(start, jnp.int32), jnp.asarray(path, jnp.int32), cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def _commit_path(state, start, path, *, cfg):
+    K = cfg.linear_conv_kernel_dim
+    P = path.shape[1]
+    b = jnp.arange(path.shape[0])[:, None]
+    d = jnp.arange(P, dtype=jnp.int32)[None, :]
+    layers = []
+    for st in state.layers:
+        if isinstance(st, TargetCache):
+            layers.append(move_rows(st, start, path))
+        else:
+            conv = st.conv.at[:, b, K - 1 + d].set(st.conv[:, b, K - 1 + path])
+            recurrent = st.recurrent.at[:, b, d].set(st.recurrent[:, b, path])
+            layers.append(GdnState(conv=conv, recurrent=recurrent))
+    return HybridState(layers=tuple(layers), base=state.base)
 
 
 # ------------------------------------------------------------------------------------------
@@ -536,6 +634,29 @@ class _Call:
         )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _TreeCall:
+    """``tree_step`` on ``(params, head)``."""
+
+    cfg: HybridConfig
+    implementation: Implementation
+
+    def __call__(self, params, state, tokens, start, parents):
+        model, head = params
+        return tree_step(
+            model, head, state, tokens, start, parents, cfg=self.cfg,
+            implementation=self.implementation,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _CommitPath:
+    cfg: HybridConfig
+
+    def __call__(self, params, state, start, path):
+        return commit_path(state, start, path, cfg=self.cfg)
+
+
 def target_model(
     cfg: HybridConfig,
     params: HybridParams,
@@ -559,4 +680,6 @@ def target_model(
         init_cache=_InitState(cfg=cfg, max_step=max_step, kv_dtype=jnp.dtype(kv_dtype)),
         prefill=_Call(fn=prefill, cfg=cfg, implementation=implementation),
         step=_Call(fn=step, cfg=cfg, implementation=implementation),
+        tree_step=_TreeCall(cfg=cfg, implementation=implementation),
+        commit_path=_CommitPath(cfg=cfg),
     )

@@ -12,17 +12,20 @@ from mtpjax.reference.target import (
     TargetCache,
     TargetConfig,
     TargetParams,
+    commit_path,
     init,
     init_cache,
     target_forward,
     target_prefill,
     target_step,
+    target_tree_step,
 )
 
 __all__ = [
     "TargetCache",
     "TargetConfig",
     "TargetParams",
+    "commit_path",
     "init",
     "init_cache",
     "load_hf",
@@ -31,4 +34,5 @@ __all__ = [
     "target_forward",
     "target_prefill",
     "target_step",
+    "target_tree_step",
 ]

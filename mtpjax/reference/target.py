@@ -43,6 +43,7 @@ from mtpjax.config import (
     fail,
     load_hf_config,
 )
+from mtpjax.draft_tree import ancestry_mask, tree_depths
 from mtpjax.head import LMHeadParams, embed
 from mtpjax.layers import (
     AttentionParams,
@@ -61,11 +62,15 @@ __all__ = [
     "TargetCache",
     "TargetConfig",
     "TargetParams",
+    "commit_path",
     "init",
     "init_cache",
+    "move_rows",
     "target_forward",
     "target_prefill",
     "target_step",
+    "target_tree_step",
+    "tree_cache_mask",
 ]
 
 _COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -526,22 +531,38 @@ def _target_step(params, head, cache, tokens, start, *, cfg, implementation):
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S]
     rows = jnp.arange(cache.max_len, dtype=jnp.int32)
     mask = rows[None, None, :] <= positions[:, :, None]  # [B, S, Lmax]
+    return _run_step(params, head, cache, tokens, positions, positions, mask, cfg, implementation)
+
+
+def tree_cache_mask(start: jax.Array, parents: jax.Array, max_len: int) -> jax.Array:
+    """bool[B, S, Lmax]: tree row i (written at cache row ``start + i``) attends to the rows
+    before ``start`` (the committed positions) and to the rows of its ancestors, itself
+    included. start: int32[B]; parents: int32[S] (``mtpjax.draft_tree``)."""
+    S = parents.shape[0]
+    anc = ancestry_mask(parents)  # [S, S]
+    rel = jnp.arange(max_len, dtype=jnp.int32)[None, :] - start[:, None]  # [B, Lmax]
+    in_tree = (rel >= 0) & (rel < S)
+    tree_part = anc[jnp.arange(S)[None, :, None], jnp.clip(rel, 0, S - 1)[:, None, :]]
+    return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)
+
+
+def _run_step(params, head, cache, tokens, positions, slots, mask, cfg, implementation):
+    """The layers over S rows per sequence at RoPE ``positions`` [B, S], written at cache rows
+    ``slots`` [B, S], each query attending to the cache rows ``mask`` bool[B, S, Lmax] allows
+    (after this step's rows are written)."""
+    B = tokens.shape[0]
     batch_idx = jnp.arange(B)[:, None]
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
 
     # The stacked cache [L, B, Lmax, Nkv, D] is carried through the scan and each layer writes
-    # its S rows in place at [i, b, position]: a donated cache is never copied whole per step.
+    # its S rows in place at [i, b, slot]: a donated cache is never copied whole per step.
     def body(carry, i):
         x, k_stack, v_stack = carry
         lp = layer_of(params.layers, i)
 
         def write(k, v):
-            k_stack_new = k_stack.at[i, batch_idx, positions].set(
-                k.astype(k_stack.dtype), mode="drop"
-            )
-            v_stack_new = v_stack.at[i, batch_idx, positions].set(
-                v.astype(v_stack.dtype), mode="drop"
-            )
+            k_stack_new = k_stack.at[i, batch_idx, slots].set(k.astype(k_stack.dtype), mode="drop")
+            v_stack_new = v_stack.at[i, batch_idx, slots].set(v.astype(v_stack.dtype), mode="drop")
             return (k_stack_new[i], v_stack_new[i], mask), (k_stack_new, v_stack_new)
 
         x, (k_stack, v_stack) = _layer(lp, x, positions, write, cfg, implementation)
@@ -550,3 +571,75 @@ def _target_step(params, head, cache, tokens, start, *, cfg, implementation):
     layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
     (x, k_new, v_new), _ = jax.lax.scan(body, (x, cache.k, cache.v), layer_ids)
     return _norm(x, params.final_norm, cfg), TargetCache(k=k_new, v=v_new)
+
+
+@configs_by_name
+def target_tree_step(
+    params: TargetParams,
+    head: LMHeadParams,
+    cache: TargetCache,
+    tokens: jax.Array,
+    start: jax.Array,
+    parents: jax.Array,
+    *,
+    cfg: TargetConfig,
+    implementation: Implementation | str = Implementation.AUTO,
+) -> tuple[jax.Array, TargetCache]:
+    """Runs a draft tree of S rows per sequence after its committed length ``start`` int32[B].
+
+    tokens: int32[B, S], row i the token of tree node i; parents: int32[S] the tree
+    (``mtpjax.draft_tree``: ``parents[0] = -1``, ``parents[i] < i``). Row i is at position
+    ``start + depth(i)``, is written at cache row ``start + i`` and attends to the rows before
+    ``start`` and to its ancestors' rows (itself included). A chain (``parents = i - 1``) is
+    ``target_step``. Returns (hidden f32[B, S, H] post-final-norm, cache); ``commit_path``
+    then moves the accepted path's rows to their positions. Donates ``cache``; one jit.
+    """
+    impl = Implementation.parse(implementation).value
+    return _target_tree_step(
+        params, head, cache, tokens, start, parents, cfg=cfg, implementation=impl
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("cache",))
+def _target_tree_step(params, head, cache, tokens, start, parents, *, cfg, implementation):
+    _check_tokens(tokens)
+    B, S = tokens.shape
+    if cache.batch != B:
+        raise ValueError(f"tokens have batch {B}, the cache {cache.batch}")
+    if parents.shape != (S,):
+        raise ValueError(f"parents must be int32[S={S}], got shape {tuple(parents.shape)}")
+    start = jnp.asarray(start, jnp.int32)
+    parents = jnp.asarray(parents, jnp.int32)
+    positions = start[:, None] + tree_depths(parents)[None, :]  # [B, S]
+    slots = start[:, None] + jnp.arange(S, dtype=jnp.int32)
+    mask = tree_cache_mask(start, parents, cache.max_len)
+    return _run_step(params, head, cache, tokens, positions, slots, mask, cfg, implementation)
+
+
+def move_rows(cache: TargetCache, start: jax.Array, path: jax.Array) -> TargetCache:
+    """The cache with row ``start + d`` set to row ``start + path[:, d]`` for d < P: a tree
+    step's accepted path (node numbers path int32[B, P], ``path[:, d]`` at depth d, each
+    ``>= d``) moved to the rows of its positions. Works on any [..., B, Lmax, ...] stack."""
+    start = jnp.asarray(start, jnp.int32)
+    P = path.shape[1]
+    b = jnp.arange(path.shape[0])[:, None]
+    src = start[:, None] + path
+    dst = start[:, None] + jnp.arange(P, dtype=jnp.int32)[None, :]
+
+    def move(x):
+        return x.at[:, b, dst].set(x[:, b, src], mode="drop")
+
+    return TargetCache(k=move(cache.k), v=move(cache.v))
+
+
+def commit_path(cache: TargetCache, start: jax.Array, path: jax.Array) -> TargetCache:
+    """After ``target_tree_step`` at ``start`` int32[B]: the accepted path (node numbers
+    int32[B, P], root first) moved to the cache rows of its positions ``start .. start + P -
+    1`` (``move_rows``); rows past the committed length hold whatever they held. Donates
+    ``cache``; one jit."""
+    return _commit_path(cache, jnp.asarray(start, jnp.int32), jnp.asarray(path, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _commit_path(cache, start, path):
+    return move_rows(cache, start, path)

@@ -9,7 +9,7 @@ measured costs). The modules `accept`, `draft_length` and `metrics` are public; 
 function is also `mtpjax.accept`.
 """
 
-from mtpjax.verify import accept, draft_length, metrics
+from mtpjax.verify import accept, draft_length, metrics, tree
 from mtpjax.verify._step import VerifyOutput, verify
 from mtpjax.verify.accept import PLACEHOLDER_TOKEN_ID, AcceptResult
 from mtpjax.verify.metrics import SpecDecodeMetrics
@@ -22,5 +22,6 @@ __all__ = [
     "accept",
     "draft_length",
     "metrics",
+    "tree",
     "verify",
 ]
