@@ -122,6 +122,15 @@ def _finite(x: float, digits: int = 4) -> float | None:
     return round(float(x), digits) if math.isfinite(x) else None
 
 
+def _acceptance(m) -> dict[str, Any]:
+    """The acceptance fields of a record, from ``SpecDecodeMetrics``."""
+    return dict(
+        mean_acceptance_length=_finite(m.mean_acceptance_length()),
+        per_position_acceptance=[_finite(x) for x in m.acceptance_rate_per_pos()],
+        draft_acceptance_rate=_finite(m.draft_acceptance_rate()),
+    )
+
+
 def table(records: list[dict[str, Any]]) -> str:
     """Markdown table of mean acceptance lengths: rows precision x contract, columns k. A cell
     whose speculative output differed from the baseline is marked ``(differs!)``."""
@@ -271,11 +280,7 @@ def run_sampled(args, tcfg, target, head, drafters, prompts, lengths, common) ->
                                 drafts=drafts,
                                 draft_top_k=args.draft_top_k if drafts == "sampled" else None,
                                 seed=seed,
-                                mean_acceptance_length=_finite(m.mean_acceptance_length()),
-                                per_position_acceptance=[
-                                    _finite(x) for x in m.acceptance_rate_per_pos()
-                                ],
-                                draft_acceptance_rate=_finite(m.draft_acceptance_rate()),
+                                **_acceptance(m),
                                 num_drafts=int(m.num_drafts),
                                 target_steps=int(out.target_steps),
                                 num_snippets=B,
@@ -509,11 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                                 precision=precision,
                                 contract=contract,
                                 k=k,
-                                mean_acceptance_length=_finite(m.mean_acceptance_length()),
-                                per_position_acceptance=[
-                                    _finite(x) for x in m.acceptance_rate_per_pos()
-                                ],
-                                draft_acceptance_rate=_finite(m.draft_acceptance_rate()),
+                                **_acceptance(m),
                                 target_steps=int(out.target_steps),
                                 baseline_steps=int(base.target_steps),
                                 target_forwards_saved=int(base.target_steps - out.target_steps),

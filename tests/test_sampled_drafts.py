@@ -161,3 +161,24 @@ def test_bad_sampling_arguments(setup):
     with pytest.raises(ValueError, match="key is required"):
         drafter.propose(params, head, new_state(cfg, B), window, cfg=cfg, num_drafts=K,
                         temperature=1.0)  # fmt: skip
+
+
+def test_sampled_drafts_through_a_cycle_of_two_modules():
+    """K = 4 drafts from two modules under CYCLE (the second cycle runs in the chain's scan):
+    every step samples from its own top-k proposal of its own logits."""
+    from drafter_helpers import make_head, pool
+
+    cfg = tiny_cfg(num_mtp_modules=2)
+    params = drafter.init_modules(cfg, key=jax.random.key(3), schedule=drafter.ModuleSchedule.CYCLE)
+    state = drafter.init_state(pool(cfg, max_seqs=B), num_seqs=B, num_modules=2)
+    tokens, hidden = random_pairs(np.random.default_rng(4), (B, T))
+    out, _ = drafter.propose(
+        params, make_head(cfg), state, pairs(tokens, hidden, [4, 2], [0, 0]), cfg=cfg,
+        num_drafts=4, temperature=1.0, key=jax.random.key(5), draft_top_k=8, return_logits=True,
+    )  # fmt: skip
+    out = jax.device_get(out)
+    q = out.draft_probs
+    assert q.ids.shape == (B, 4, 8)
+    assert np.all((q.ids == out.tokens[..., None]).sum(-1) == 1)
+    top = np.argsort(-out.logits, axis=-1, kind="stable")[..., :8]
+    np.testing.assert_array_equal(q.ids, top)

@@ -4,7 +4,8 @@ drafts to send to verification.
 The drafter's own probability of each draft estimates whether the target accepts it, so the
 running product ``c_i = prod_{j <= i} probs_j`` estimates the chance that the first ``i``
 drafts all survive, and sending ``n`` drafts yields an expected ``E(n) = 1 + c_1 + .. + c_n``
-tokens (the target's own token included). A round costs ``propose_cost`` (the K drafts are made
+tokens (the target's own token included). ``probs`` is the top-1 probability of argmax drafts
+and ``q(d)`` of sampled ones, an estimate of acceptance in both cases, never a bound on it. A round costs ``propose_cost`` (the K drafts are made
 whatever is sent) plus ``verify_cost[n]``, the target step and verify over ``n + 1`` rows per
 sequence, both measured numbers passed in as static config. Each sequence sends the ``n`` in
 ``[0, num_valid]`` with the largest estimated goodput ``E(n) / (propose_cost +
