@@ -64,6 +64,7 @@ from mtpjax.drafter import DrafterModules, DrafterParams, Pairs
 from mtpjax.head import LMHeadParams, lm_head
 from mtpjax.target_model import TargetModel
 from mtpjax.verify import SpecDecodeMetrics, verify
+from mtpjax.verify import draft_length as draft_length_lib
 from mtpjax.verify import metrics as metrics_lib
 from mtpjax.verify.accept import check_temperature
 from mtpjax.verify.tree import verify_tree
@@ -458,11 +459,20 @@ def _spec_round(
     refeed: bool,
     implementation: str,
     verify_step: Callable[..., tuple[Any, drafter_lib.DrafterState]] = verify,
+    draft_sampling: bool = False,
+    draft_top_k: int = drafter_lib.DEFAULT_DRAFT_TOP_K,
+    draft_length: draft_length_lib.DraftLengthPolicy | None = None,
 ) -> _Loop:
     """One speculative round: propose, the target's step over the ``K + 1``-row window, then
-    ``verify_step`` (``verify``'s signature and outputs) and the commit."""
+    ``verify_step`` (``verify``'s signature and outputs) and the commit. With
+    ``draft_sampling`` and a key the drafts are sampled (``propose(temperature=, key=)``);
+    with ``draft_length`` each sequence sends only the drafts its goodput estimate picks."""
     B, W = c.pairs.tokens.shape
     active = ~c.out.done
+    loop_key, sampled = c.key, {}
+    if draft_sampling and c.key is not None:
+        loop_key, draft_key = _split(c.key)
+        sampled = dict(temperature=temperature, key=draft_key, draft_top_k=draft_top_k)
     drafts, state = drafter_lib.propose(
         drafter,
         drafter_head,
@@ -472,11 +482,16 @@ def _spec_round(
         hidden_contract=hidden_contract,
         cfg=drafter_cfg,
         implementation=implementation,
+        **sampled,
     )
+    proposed = {}
+    if draft_length is not None:
+        proposed = dict(num_proposed=drafts.num_valid)
+        drafts = draft_length_lib.send(drafts, draft_length_lib.choose(drafts, policy=draft_length))
     window = jnp.concatenate([c.last[:, None], jnp.maximum(drafts.tokens, 0)], axis=1)
     verify_hidden, cache = target.step(target.params, c.cache, window, c.position)
     chex.assert_shape(verify_hidden, (B, W, c.pairs.hidden.shape[-1]))
-    key, sub = _split(c.key)
+    key, sub = _split(loop_key)
     result, state = verify_step(
         head,
         state,
@@ -489,6 +504,7 @@ def _spec_round(
         metrics=c.metrics,
         active=active,
         implementation=implementation,
+        **proposed,
     )
     count = result.num_output  # 0 for finished sequences
     new = jnp.maximum(result.output_tokens, 0)  # [B, W], -1 padding -> a valid id
@@ -582,6 +598,9 @@ def _tree_round(
         "hidden_contract",
         "refeed",
         "implementation",
+        "draft_sampling",
+        "draft_top_k",
+        "draft_length",
         "tree",
     ),
 )
@@ -603,6 +622,9 @@ def _generate(
     hidden_contract: HiddenContract,
     refeed: bool,
     implementation: str,
+    draft_sampling: bool = False,
+    draft_top_k: int = drafter_lib.DEFAULT_DRAFT_TOP_K,
+    draft_length: draft_length_lib.DraftLengthPolicy | None = None,
     tree: TreeShape | None = None,
 ) -> GenerateOutput:
     """Both loops: speculation with ``K = step_width - 1`` drafts per round (a ``tree``: its
@@ -658,6 +680,9 @@ def _generate(
             hidden_contract=hidden_contract,
             refeed=refeed,
             implementation=implementation,
+            draft_sampling=draft_sampling,
+            draft_top_k=draft_top_k,
+            draft_length=draft_length,
         )
         return _run(round_, loop)
 
@@ -718,6 +743,9 @@ def generate(
     hidden_contract: HiddenContract | str | None = None,
     refeed: bool = False,
     implementation: Implementation | str = Implementation.AUTO,
+    draft_sampling: bool = True,
+    draft_top_k: int = drafter_lib.DEFAULT_DRAFT_TOP_K,
+    draft_length: draft_length_lib.DraftLengthPolicy | None = None,
     tree: TreeShape | tuple[int, ...] | None = None,
 ) -> GenerateOutput:
     """Speculative generation of ``max_new_tokens`` tokens per prompt; one jit.
@@ -748,6 +776,16 @@ def generate(
         ``drafter_cfg.default_hidden_contract``.
       refeed: static; rebuild accepted chain rows from the target's hidden after each verify.
       implementation: ``Implementation`` (or its name, any case) of the drafter and the head.
+      draft_sampling: static; at temperature > 0, sample each draft from the drafter's top
+        ``draft_top_k`` tokens at the temperature (``propose``) and accept with
+        ``min(1, p/q)``; False drafts by argmax (one-hot ``q``: accepted with probability
+        ``p(x)``). Both are exact; sampling is the default because it accepts more wherever the
+        drafter's tempered distribution is close to the target's (BENCHMARKS.md, acceptance),
+        as vLLM, SGLang and TensorRT-LLM draft. Greedy runs and trees are untouched by it.
+      draft_top_k: static int >= 1, the support of each sampled draft's proposal.
+      draft_length: static ``verify.draft_length.DraftLengthPolicy`` for K drafts: each round
+        each sequence sends the drafts its goodput estimate picks (``metrics`` counts the
+        proposed and the sent); None sends every valid draft.
       tree: static; None drafts chains. A ``TreeShape`` (or its branching, e.g. ``(2, 2, 1)``)
         drafts that tree each round (``drafter.propose_tree``; one MTP module) and verifies it
         in one target ``tree_step`` of S rows (``verify.tree``: the longest accepted path,
@@ -789,6 +827,23 @@ def generate(
         if target.tree_step is None or target.commit_path is None:
             raise ValueError("tree drafting needs a TargetModel with tree_step and commit_path")
         step_width = tree.num_rows
+    if not isinstance(draft_sampling, bool):
+        raise TypeError(f"draft_sampling must be a Python bool, got {draft_sampling!r}")
+    draft_top_k = _check_static_int("draft_top_k", draft_top_k, 1)
+    if draft_length is not None:
+        if not isinstance(draft_length, draft_length_lib.DraftLengthPolicy):
+            raise TypeError(
+                "draft_length must be a verify.draft_length.DraftLengthPolicy or None, got "
+                f"{type(draft_length).__name__}"
+            )
+        if draft_length.num_drafts != num_drafts:
+            raise ValueError(
+                f"draft_length has costs for K={draft_length.num_drafts} drafts, the run drafts "
+                f"K={num_drafts}"
+            )
+    sampling = draft_sampling and key is not None and tree is None  # trees: their own rule
+    if tree is not None and draft_length is not None:
+        raise ValueError("draft_length applies to chains; a tree verifies all its rows")
     return _generate(
         target,
         drafter,
@@ -806,6 +861,10 @@ def generate(
         hidden_contract=contract,
         refeed=refeed,
         implementation=Implementation.parse(implementation).value,
+        # Greedy (no key) runs one program whatever the sampling options say.
+        draft_sampling=sampling,
+        draft_top_k=draft_top_k if sampling else drafter_lib.DEFAULT_DRAFT_TOP_K,
+        draft_length=draft_length,
         tree=tree,
     )
 

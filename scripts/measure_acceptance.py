@@ -25,6 +25,29 @@ and their difference, and whether the outputs are identical. A table of mean acc
 (rows precision x contract, columns k) is printed last. The exit status is 1 if any speculative
 output differs from its baseline or the drafter's KV cache reports an error.
 
+Two more modes, on the first given precision and contract (default BF16, post-norm):
+
+``--mode sampled`` (``--temperatures 0.7,1.0``, ``--seeds``): the same prompts sampled at each
+temperature with argmax drafts (one-hot ``q``: a draft is accepted with probability ``p(x)``)
+and with sampled drafts (``generate(draft_sampling=True)``: drafts from the drafter's top
+``--draft-top-k`` at the temperature, accepted with ``min(1, p/q)``). Both are exact, so there
+is no baseline to match; each record holds the acceptance of one (k, temperature, drafts,
+seed).
+
+``--mode adaptive``: greedy, fixed k = 1..4 against the adaptive draft length
+(``mtpjax.verify.draft_length``) with each K >= 2 of them, under each cost model. Step costs are measured first on this CPU at
+B = 1 (shortest wall time of 30 calls of the target step plus LM head over n rows, n = 1..K+1, and of a
+propose of k drafts), and a second, illustrative cost model has a verify linear in its rows (one
+unit per row, the compute-bound limit) and a propose of 0.1 unit per draft. Each record holds the tokens per target forward (per
+sequence: generated tokens after the first over the forwards it took part in) and the modelled
+goodput (those tokens over the modelled cost of every sequence's rounds,
+``draft_length.modelled_cost``); every run must equal the plain greedy output.
+
+    .venv/bin/python scripts/measure_acceptance.py --mode sampled \\
+        --json benchmarks/results/acceptance_sampled_cpu.json
+    .venv/bin/python scripts/measure_acceptance.py --mode adaptive \\
+        --json benchmarks/results/acceptance_adaptive_cpu.json
+
 The JSON list is rewritten after every configuration, so a killed run keeps what it measured.
 """
 
@@ -45,10 +68,12 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from mtpjax import demo, hybrid
+from mtpjax import demo, hybrid, lm_head
+from mtpjax import drafter as drafter_lib
 from mtpjax import generation as gen
 from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.config import HiddenContract
+from mtpjax.verify import draft_length
 
 PRECISIONS = demo.PRECISIONS  # bf16, fp8, nvfp4
 CONTRACTS = tuple(c.value for c in HiddenContract)
@@ -95,6 +120,15 @@ def load_drafters(precisions: list[str], *, scratch: Path) -> dict[str, tuple]:
 
 def _finite(x: float, digits: int = 4) -> float | None:
     return round(float(x), digits) if math.isfinite(x) else None
+
+
+def _acceptance(m) -> dict[str, Any]:
+    """The acceptance fields of a record, from ``SpecDecodeMetrics``."""
+    return dict(
+        mean_acceptance_length=_finite(m.mean_acceptance_length()),
+        per_position_acceptance=[_finite(x) for x in m.acceptance_rate_per_pos()],
+        draft_acceptance_rate=_finite(m.draft_acceptance_rate()),
+    )
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -149,6 +183,16 @@ def _ints(s: str) -> list[int]:
     return out
 
 
+def _floats(s: str) -> list[float]:
+    try:
+        out = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {s!r}")
+    return out
+
+
 def _positive(s: str) -> int:
     n = int(s)
     if n < 1:
@@ -159,6 +203,18 @@ def _positive(s: str) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", type=Path, default=None, help="write the records here")
+    p.add_argument(
+        "--mode",
+        choices=("greedy", "sampled", "adaptive"),
+        default="greedy",
+        help="greedy: the precision x contract x k table (default); sampled: argmax against "
+        "sampled drafts at --temperatures; adaptive: fixed k against the adaptive draft length",
+    )
+    p.add_argument(
+        "--temperatures", type=_floats, default=[0.7, 1.0], help="sampled mode (0.7,1.0)"
+    )
+    p.add_argument("--seeds", type=_positive, default=2, help="sampled mode: runs per point (2)")
+    p.add_argument("--draft-top-k", type=_positive, default=64, help="sampled drafts' support (64)")
     p.add_argument("--ks", type=_ints, default=[1, 2, 3, 4], help="drafts per round (1,2,3,4)")
     p.add_argument(
         "--precisions",
@@ -180,6 +236,217 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# ------------------------------------------------------------------------------------------
+# Sampled drafts and the adaptive draft length.
+
+
+def _write(args, records):
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+
+
+def run_sampled(args, tcfg, target, head, drafters, prompts, lengths, common) -> int:
+    """Argmax against sampled drafts at each temperature and k; returns the exit status."""
+    precision, contract = args.precisions[0], args.contracts[0]
+    dcfg, params, drafter_head = drafters[precision]
+    records: list[dict[str, Any]] = []
+    B = prompts.shape[0]
+    total = len(args.ks) * len(args.temperatures) * 2 * args.seeds
+    with tqdm(total=total, desc="configurations", unit="cfg") as bar:
+        for k in args.ks:
+            model = hybrid.target_model(tcfg, target, head, max_step=k + 1)
+            for temperature in args.temperatures:
+                for drafts in ("argmax", "sampled"):
+                    for seed in range(args.seeds):
+                        t0 = time.perf_counter()
+                        out = jax.device_get(
+                            gen.generate(
+                                model, params, head, prompts, lengths, drafter_cfg=dcfg,
+                                num_drafts=k, drafter_head=drafter_head,
+                                hidden_contract=contract, temperature=temperature,
+                                key=jax.random.key(seed), draft_sampling=drafts == "sampled",
+                                draft_top_k=args.draft_top_k, **common,
+                            )
+                        )  # fmt: skip
+                        m = out.metrics
+                        records.append(
+                            dict(
+                                mode="sampled",
+                                precision=precision,
+                                contract=contract,
+                                k=k,
+                                temperature=temperature,
+                                drafts=drafts,
+                                draft_top_k=args.draft_top_k if drafts == "sampled" else None,
+                                seed=seed,
+                                **_acceptance(m),
+                                num_drafts=int(m.num_drafts),
+                                target_steps=int(out.target_steps),
+                                num_snippets=B,
+                                prompt_len=args.prompt_len,
+                                new_tokens=args.new_tokens,
+                                seconds=round(time.perf_counter() - t0, 2),
+                            )
+                        )
+                        _write(args, records)
+                        bar.update()
+    print(f"\nMean acceptance length, {precision} {contract}, mean over {args.seeds} seeds:\n")
+    print("| k | T | argmax drafts | sampled drafts |\n|---:|---:|---:|---:|")
+    for k in args.ks:
+        for t in args.temperatures:
+            cells = []
+            for drafts in ("argmax", "sampled"):
+                v = [
+                    r["mean_acceptance_length"]
+                    for r in records
+                    if (r["k"], r["temperature"], r["drafts"]) == (k, t, drafts)
+                ]
+                cells.append(f"{np.mean(v):.2f}")
+            print(f"| {k} | {t} | " + " | ".join(cells) + " |")
+    return 0
+
+
+def _fastest_ms(fn, state, repeats: int = 30):
+    """Shortest wall time (ms) of ``state = fn(state)`` after warm-up calls: on a CPU shared
+    with other work the minimum is the stable estimate of the call's own cost."""
+    for _ in range(3):
+        state = jax.block_until_ready(fn(state))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(fn(state))
+        times.append(1e3 * (time.perf_counter() - t0))
+    return float(np.min(times))
+
+
+def measure_costs(tcfg, target, head, drafter, prompt, *, max_k: int) -> dict[str, Any]:
+    """CPU step costs at B = 1 (ms): verify[n] = the target step plus its LM head over n + 1
+    rows (n = 0..K; a model keeping n + 1 snapshots, as a run of k = n uses), propose[k] = a
+    propose of k drafts (k = 1..K)."""
+    dcfg, params, drafter_head = drafter
+    head_cfg = tcfg.lm_head_config()
+    P = prompt.shape[1]
+    lengths = jnp.full((1,), P, jnp.int32)
+    verify = []
+    for rows in range(1, max_k + 2):
+        model = hybrid.target_model(tcfg, target, head, max_step=rows)
+        cache = model.init_cache(1, P + rows + 1)
+        hidden, cache = model.prefill(model.params, cache, prompt, lengths)
+        window = jnp.broadcast_to(prompt[:, -1:], (1, rows))
+
+        @jax.jit
+        def step(cache, model=model, window=window):
+            h, cache = model.step(model.params, cache, window, lengths)
+            logits = lm_head(head, h.reshape(-1, h.shape[-1]), cfg=head_cfg)
+            return cache, jnp.sum(logits)
+
+        verify.append(_fastest_ms(lambda c, step=step: step(c[0]), (cache, 0.0)))
+    pool = drafter_lib.pool_config(dcfg, precision="bf16", max_seq_len=P + 8, max_seqs=1)
+    propose = []
+    for k in range(1, max_k + 1):
+        state = drafter_lib.init_state(pool, num_seqs=1)
+        window = drafter_lib.Pairs(
+            tokens=prompt[:, -1:], hidden=hidden[:, -1:], count=jnp.ones((1,), jnp.int32),
+            start=lengths - 1,
+        )  # fmt: skip
+
+        def call(state, k=k, window=window):
+            return drafter_lib.propose(params, drafter_head, state, window, cfg=dcfg, num_drafts=k)[
+                1
+            ]
+
+        propose.append(_fastest_ms(call, state))
+    return dict(verify_ms=[round(v, 4) for v in verify], propose_ms=[round(v, 4) for v in propose])
+
+
+def run_adaptive(args, tcfg, target, head, drafters, prompts, lengths, common) -> int:
+    """Greedy: fixed k against the adaptive draft length under two cost models."""
+    precision, contract = args.precisions[0], args.contracts[0]
+    dcfg, params, drafter_head = drafters[precision]
+    K = max(args.ks)
+    costs = measure_costs(tcfg, target, head, drafters[precision], prompts[:1], max_k=K)
+    print(f"CPU costs at B = 1 (ms): {costs}", file=sys.stderr, flush=True)
+    models = {
+        "cpu": lambda k: draft_length.DraftLengthPolicy(
+            verify_cost=tuple(costs["verify_ms"][: k + 1]), propose_cost=costs["propose_ms"][k - 1]
+        ),
+        "linear": lambda k: draft_length.DraftLengthPolicy(
+            verify_cost=tuple(float(n + 1) for n in range(k + 1)), propose_cost=0.1 * k
+        ),
+    }
+    B = prompts.shape[0]
+    runs = [("fixed", k, None) for k in args.ks]
+    runs += [("adaptive", k, m) for k in args.ks if k > 1 for m in models]
+    records: list[dict[str, Any]] = []
+    ok = True
+    bases = {}
+    for policy_name, k, cost_model in tqdm(runs, desc="configurations", unit="cfg"):
+        model = hybrid.target_model(tcfg, target, head, max_step=k + 1)
+        if k not in bases:
+            bases[k] = jax.device_get(
+                gen.generate_baseline(model, head, prompts, lengths, step_width=k + 1, **common)
+            )
+        t0 = time.perf_counter()
+        policy = None if cost_model is None else models[cost_model](k)
+        out = jax.device_get(
+            gen.generate(
+                model, params, head, prompts, lengths, drafter_cfg=dcfg, num_drafts=k,
+                drafter_head=drafter_head, hidden_contract=contract, draft_length=policy,
+                **common,
+            )
+        )  # fmt: skip
+        identical = bool(np.array_equal(out.tokens, bases[k].tokens))
+        ok &= identical
+        m = out.metrics
+        tokens = int(np.sum(out.lengths) - B)  # after the prefill's token
+        forwards = int(np.sum(out.active_steps))
+        record = dict(
+            mode="adaptive",
+            policy=policy_name,
+            cost_model=cost_model,
+            k=k,
+            precision=precision,
+            contract=contract,
+            tokens=tokens,
+            sequence_forwards=forwards,
+            target_steps=int(out.target_steps),
+            tokens_per_target_forward=round(tokens / forwards, 4),
+            num_proposed_tokens=int(m.num_proposed_tokens),
+            num_draft_tokens=int(m.num_draft_tokens),
+            num_accepted_tokens=int(m.num_accepted_tokens),
+            num_rounds_per_sent=np.asarray(m.num_rounds_per_sent).tolist(),
+            identical=identical,
+            num_snippets=B,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            costs_ms=costs,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
+        for name, make in models.items():
+            cost = draft_length.modelled_cost(m.num_rounds_per_sent, policy=make(k))
+            record[f"goodput_{name}"] = round(tokens / cost, 5)
+        records.append(record)
+        _write(args, records)
+    print(f"\nGreedy, {precision} {contract}; goodput in tokens per modelled unit:\n")
+    print(
+        "| run | tokens / forward | drafts sent / proposed | goodput (CPU ms) | goodput (linear) |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    for r in records:
+        name = (
+            f"k={r['k']}" if r["policy"] == "fixed" else f"adaptive K={r['k']} ({r['cost_model']})"
+        )
+        sent = r["num_draft_tokens"] / max(r["num_proposed_tokens"], 1)
+        print(
+            f"| {name} | {r['tokens_per_target_forward']:.2f} | {sent:.2f} | "
+            f"{r['goodput_cpu']:.4f} | {r['goodput_linear']:.4f} |"
+        )
+    if not ok:
+        print("FAILED: an adaptive or fixed-k output differs from greedy decoding")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = Tokenizer.from_file(str(demo.ASSET_DIR / "tokenizer.json"))
@@ -197,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     tcfg = hybrid.HybridConfig.from_hf(demo.ASSET_DIR)
     target, head = hybrid.load(demo.ASSET_DIR, cfg=tcfg)
     common = dict(head_cfg=tcfg.lm_head_config(), max_new_tokens=args.new_tokens)
+
+    if args.mode != "greedy":
+        with tempfile.TemporaryDirectory(prefix="mtpjax-acceptance-") as scratch:
+            drafters = load_drafters(args.precisions[:1], scratch=Path(scratch))
+            run = run_sampled if args.mode == "sampled" else run_adaptive
+            return run(args, tcfg, target, head, drafters, prompts, lengths, common)
 
     records: list[dict[str, Any]] = []
     ok = True
@@ -241,11 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                                 precision=precision,
                                 contract=contract,
                                 k=k,
-                                mean_acceptance_length=_finite(m.mean_acceptance_length()),
-                                per_position_acceptance=[
-                                    _finite(x) for x in m.acceptance_rate_per_pos()
-                                ],
-                                draft_acceptance_rate=_finite(m.draft_acceptance_rate()),
+                                **_acceptance(m),
                                 target_steps=int(out.target_steps),
                                 baseline_steps=int(base.target_steps),
                                 target_forwards_saved=int(base.target_steps - out.target_steps),

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from trace_helpers import count_calls
 
+from mtpjax.drafter import DraftProbs
 from mtpjax.verify import accept as accept_lib
 from mtpjax.verify.accept import PLACEHOLDER_TOKEN_ID, AcceptResult, accept
 
@@ -154,12 +155,12 @@ FLAWS = {"inverted_ratio": 0, "resample_from_p": 1}
 
 
 @jax.jit
-def _wrong_accept(draft_tokens, draft_probs, target_logits, key, flaw):
+def _wrong_accept(draft_tokens, draft_probs, target_logits, key, flaw, temperature=T):
     """Rejection sampling with one flaw: 0 accepts with min(1, q/p); 1 resamples a rejection
     from p instead of the residual max(p - q, 0). draft_probs [N, K, V] is always explicit.
     -> (output_tokens [N, K+1], num_output [N])."""
     batch, k = draft_tokens.shape
-    p = jax.nn.softmax(target_logits / T, axis=-1)  # [N, K+1, V]
+    p = jax.nn.softmax(target_logits / temperature, axis=-1)  # [N, K+1, V]
     rows, cols = jnp.arange(batch)[:, None], jnp.arange(k)[None, :]
     p_x, q_x = p[rows, cols, draft_tokens], draft_probs[rows, cols, draft_tokens]  # [N, K]
     ratio = jnp.where(flaw == 0, q_x / p_x, p_x / q_x)
@@ -530,3 +531,97 @@ def test_a_traced_temperature_samples_or_is_greedy_at_zero():
         run(jnp.float32(0), key).output_tokens,
         accept(drafts, None, logits, temperature=0.0, num_valid=num_valid).output_tokens,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Sampled drafts: q given on its support (DraftProbs, the drafter's top-k renormalised).
+
+SUPPORT = 4  # of V = 6 tokens: the target puts mass off the support, which only the residual
+# can emit
+
+
+def _sparse_inputs(rng, temperature, k=3, n=N):
+    """(drafts int32[n, K] with x_i ~ q_i, DraftProbs [n, K, SUPPORT], target logits at
+    `temperature`, p [K+1, V]): q_i is a random distribution over a random SUPPORT-token subset,
+    drafted towards the target's favourite token so that every position is populated."""
+    favourites = rng.integers(0, V, size=k + 1)
+    p = _random_dists(rng, k + 1, favourites)
+    others = [rng.permutation(np.setdiff1d(np.arange(V), [f]))[: SUPPORT - 1] for f in favourites]
+    ids = np.stack([[f, *o] for f, o in zip(favourites[:k], others)]).astype(np.int32)  # [K, S]
+    logits_q = rng.normal(scale=0.5, size=(k, SUPPORT)) + 2.0 * (ids == favourites[:k, None])
+    q = np.exp(logits_q) / np.exp(logits_q).sum(-1, keepdims=True)  # [K, S]
+    cdf = np.cumsum(q, axis=-1)
+    pick = np.minimum((rng.random((n, k, 1)) > cdf[None]).sum(-1), SUPPORT - 1)
+    drafts = np.take_along_axis(np.broadcast_to(ids, (n, k, SUPPORT)), pick[..., None], -1)
+    support = DraftProbs(
+        ids=np.broadcast_to(ids, (n, k, SUPPORT)),
+        probs=np.broadcast_to(q.astype(np.float32), (n, k, SUPPORT)),
+    )
+    logits = np.broadcast_to(temperature * np.log(p), (n, k + 1, V))
+    return drafts[..., 0].astype(np.int32), support, logits, p
+
+
+def _dense(support: DraftProbs) -> np.ndarray:
+    """q over the vocabulary, built in numpy: [n, K, V]."""
+    ids, probs = np.asarray(support.ids), np.asarray(support.probs)
+    out = np.zeros((*ids.shape[:-1], V), np.float32)
+    np.put_along_axis(out, ids, probs, axis=-1)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_drafts_emit_the_target_distribution(temperature):
+    """Drafts from a top-k proposal given as (ids, probs): every emitted token is distributed as
+    its target row at T = 0.7 and 1.0; the same rule with the dense q emits the same tokens."""
+    rng = np.random.default_rng(71)
+    drafts, support, logits, p = _sparse_inputs(rng, temperature)
+    num_valid = np.full(N, 3, np.int32)
+    kw = dict(temperature=temperature, key=_key(5), num_valid=num_valid)
+    result = accept(drafts, support, logits, **kw)
+    out, num_output = np.asarray(result.output_tokens), np.asarray(result.num_output)
+    pvalues = _per_position_pvalues(out, num_output, p)
+    assert min(pvalues) > P_FLOOR, pvalues
+    assert np.sum(num_output == 4) > N // 20 and np.sum(num_output == 1) > N // 20
+    # The support form is q itself, not an approximation: bit for bit the dense rule's draws.
+    dense = accept(drafts, _dense(support), logits, **kw)
+    np.testing.assert_array_equal(dense.output_tokens, result.output_tokens)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("flaw", list(FLAWS))
+def test_wrong_rules_fail_with_sampled_drafts(flaw, temperature):
+    """Accepting with min(1, p/q) but resampling a rejection from p (or inverting the ratio)
+    fails the test the library passes above."""
+    rng = np.random.default_rng(71)
+    drafts, support, logits, p = _sparse_inputs(rng, temperature)
+    out, num_output = _wrong_accept(
+        drafts, _dense(support), logits, _key(5), FLAWS[flaw], temperature
+    )
+    pvalues = _per_position_pvalues(np.asarray(out), np.asarray(num_output), p)
+    assert min(pvalues) < P_FLOOR, pvalues
+
+
+def test_sampled_draft_off_its_support_is_accepted_iff_the_target_allows_it():
+    """q(x) = 0 off the listed ids: u * 0 < p(x) accepts any such draft with p(x) > 0."""
+    rng = np.random.default_rng(72)
+    drafts, support, logits, _ = _sparse_inputs(rng, 1.0, n=64)
+    off = np.stack([np.setdiff1d(np.arange(V), r)[0] for r in np.asarray(support.ids)[0]])
+    drafts = np.broadcast_to(off, drafts.shape).astype(np.int32)
+    result = accept(drafts, support, logits, temperature=1.0, key=_key(6))
+    np.testing.assert_array_equal(result.num_accepted, 3)
+
+
+def test_draft_probs_support_validation():
+    drafts = np.zeros((2, 3), np.int32)
+    logits = np.zeros((2, 4, 5), np.float32)
+    key = jax.random.key(0)
+    ids = np.zeros((2, 3, 4), np.int32)
+    with pytest.raises(ValueError, match=r"draft_probs\.ids"):
+        accept(drafts, DraftProbs(ids=ids[:, :2], probs=ids[:, :2] * 1.0), logits,
+               temperature=1.0, key=key)  # fmt: skip
+    with pytest.raises(ValueError, match=r"draft_probs\.probs"):
+        accept(drafts, DraftProbs(ids=ids, probs=np.zeros((2, 3, 3), np.float32)), logits,
+               temperature=1.0, key=key)  # fmt: skip
+    with pytest.raises(ValueError, match=r"draft_probs\.ids"):
+        accept(drafts, DraftProbs(ids=ids * 1.0, probs=ids * 1.0), logits,
+               temperature=1.0, key=key)  # fmt: skip

@@ -56,3 +56,44 @@ def test_table_marks_a_differing_output():
     text = ma.table([dict(rec, k=1), dict(rec, k=3, identical=True, mean_acceptance_length=None)])
     assert text.splitlines()[0] == "| precision | contract | k=1 | k=3 |"
     assert text.splitlines()[-1] == "| fp8 | pinned | 2.50 (differs!) | n/a |"
+
+
+_TINY = ["--precisions", "bf16", "--contracts", "post_norm", "--max-snippets", "2"]
+_TINY += ["--new-tokens", "8", "--prompt-len", "16"]
+
+
+def test_sampled_mode_records_both_kinds_of_draft(tmp_path, capsys):
+    ma = _load_script()
+    out = tmp_path / "sampled.json"
+    argv = ["--mode", "sampled", "--ks", "1", "--temperatures", "1.0", "--seeds", "1"]
+    assert ma.main([*argv, *_TINY, "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [r["drafts"] for r in records] == ["argmax", "sampled"]
+    for r in records:
+        assert (r["k"], r["temperature"], r["seed"]) == (1, 1.0, 0)
+        assert r["mean_acceptance_length"] == pytest.approx(
+            1 + r["draft_acceptance_rate"], abs=1e-3
+        )
+    assert "| 1 | 1.0 |" in capsys.readouterr().out
+
+
+def test_adaptive_mode_prices_every_run_and_matches_greedy(tmp_path):
+    ma = _load_script()
+    out = tmp_path / "adaptive.json"
+    assert ma.main(["--mode", "adaptive", "--ks", "2", *_TINY, "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    assert [(r["policy"], r["cost_model"]) for r in records] == [
+        ("fixed", None), ("adaptive", "cpu"), ("adaptive", "linear")
+    ]  # fmt: skip
+    for r in records:
+        assert r["identical"] is True
+        hist = r["num_rounds_per_sent"]
+        assert sum(hist) == r["sequence_forwards"]
+        assert sum(n * c for n, c in enumerate(hist)) == r["num_draft_tokens"]
+        assert r["num_draft_tokens"] <= r["num_proposed_tokens"] == 2 * sum(hist)
+        assert len(r["costs_ms"]["verify_ms"]) == 3 and len(r["costs_ms"]["propose_ms"]) == 2
+    fixed = records[0]
+    assert fixed["num_rounds_per_sent"][:2] == [0, 0]
+    assert fixed["goodput_linear"] == pytest.approx(
+        fixed["tokens"] / (fixed["sequence_forwards"] * (3 + 0.2)), rel=1e-4
+    )

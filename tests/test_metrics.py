@@ -173,7 +173,7 @@ def test_counts_accept_results():
 def test_metrics_are_a_pytree():
     m = _example()
     leaves = jax.tree_util.tree_leaves(m)
-    assert len(leaves) == 4
+    assert len(leaves) == 6
     rebuilt = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(m), leaves)
     assert isinstance(rebuilt, SpecDecodeMetrics) and _as_python(rebuilt) == _as_python(m)
 

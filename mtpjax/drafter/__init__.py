@@ -38,11 +38,14 @@ from mtpjax.drafter._propose import (
     propose,
     unpack_bitmask,
 )
+from mtpjax.drafter._sampling import DEFAULT_DRAFT_TOP_K, DraftProbs
 from mtpjax.drafter._tree import TreeDrafts, propose_tree
 from mtpjax.drafter._trim import after_verify, free, module_trims, rows_to_trim, rows_written
 from mtpjax.kv.state import DrafterState, WindowError, init_state, raise_on_state_error
 
 __all__ = [
+    "DEFAULT_DRAFT_TOP_K",
+    "DraftProbs",
     "DrafterModules",
     "DrafterOutput",
     "DrafterParams",

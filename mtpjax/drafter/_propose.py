@@ -74,6 +74,7 @@ from mtpjax.drafter._params import (
     effective_num_drafts,
     kv_row_spec,
 )
+from mtpjax.drafter._sampling import DEFAULT_DRAFT_TOP_K, DraftProbs, sample_top_k
 from mtpjax.drafter._trim import _check_state, module_trims, rows_written
 from mtpjax.head import LMHeadParams
 from mtpjax.kv import PagedKVCache, WindowError, append
@@ -118,7 +119,16 @@ class Pairs:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "probs", "confidence", "num_valid", "hidden", "logits", "active"],
+    data_fields=[
+        "tokens",
+        "probs",
+        "confidence",
+        "num_valid",
+        "hidden",
+        "logits",
+        "active",
+        "draft_probs",
+    ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,14 +138,17 @@ class ProposeOutput:
     Attributes:
       tokens: int32[B, K] drafts; -1 past ``num_valid`` (cut by the confidence threshold or an
         empty grammar mask) and for inactive sequences.
-      probs: f32[B, K] top-1 probability of each draft under the (masked) draft distribution.
+      probs: f32[B, K] probability of each draft under the (masked) draft distribution: its
+        top-1 probability for argmax drafts, its proposal probability ``q(d)`` for sampled ones.
       confidence: f32[B, K] running minimum of ``probs`` (the chain confidence after each draft).
       num_valid: int32[B] drafts that count (a prefix; 0 for inactive sequences).
       hidden: f32[B, K, H] what step s handed to the row of step s + 1 under the contract (the
-        row at key ``e + s + 1`` holds ``(raw argmax of step s, hidden[:, s])``).
+        row at key ``e + s + 1`` holds ``(raw draft of step s, hidden[:, s])``).
       logits: f32[B, K, V'] the draft logits (masked), only when ``return_logits``; else None.
       active: bool[B] the sequences the propose ran (``verify`` emits tokens for these only);
         None on drafts built by hand, which then count as all active.
+      draft_probs: ``DraftProbs`` ([B, K, k]) the proposal each sampled draft was drawn from
+        (``verify`` hands it to the rejection rule); None for argmax drafts.
     """
 
     tokens: jax.Array
@@ -145,6 +158,7 @@ class ProposeOutput:
     hidden: jax.Array
     logits: jax.Array | None = None
     active: jax.Array | None = None
+    draft_probs: DraftProbs | None = None
 
 
 # ------------------------------------------------------------------------------------------
@@ -403,6 +417,7 @@ def _finish(tokens, probs, oks, hidden, logits, active, threshold) -> ProposeOut
         "head_cfg",
         "return_logits",
         "implementation",
+        "draft_top_k",
     ),
     donate_argnames=("state",),
 )
@@ -413,6 +428,8 @@ def _propose(
     pairs: Pairs,
     bitmask: jax.Array | None,
     threshold: jax.Array | None,
+    temperature: jax.Array | None = None,
+    key: jax.Array | None = None,
     *,
     cfg: DrafterConfig,
     num_drafts: int,
@@ -420,6 +437,7 @@ def _propose(
     head_cfg: LMHeadConfig,
     return_logits: bool,
     implementation: Implementation,
+    draft_top_k: int = DEFAULT_DRAFT_TOP_K,
 ) -> tuple[ProposeOutput, DrafterState]:
     B, T = pairs.tokens.shape
     N, K = modules.num_modules, num_drafts
@@ -481,8 +499,18 @@ def _propose(
                 mask = bitmask if bitmask.ndim == 2 else jnp.take(bitmask, s, axis=1)
                 allowed = unpack_bitmask(mask, head_cfg.draft_rows)
             tok, p, ok, lg = _select(o.logits, allowed)
+            ids = qs = None
+            if key is not None:  # sampled drafts (the argmax where the temperature is 0)
+                drawn, ids, qs = sample_top_k(
+                    lg, temperature, jax.random.fold_in(key, s), top_k=draft_top_k
+                )
+                sampling = temperature > 0
+                tok = jnp.where(sampling, drawn, tok)
+                p = jnp.where(sampling, DraftProbs(ids=ids, probs=qs).at(drawn), p)
+                # At temperature 0 the proposal is the argmax itself (one-hot).
+                qs = jnp.where(sampling, qs, (ids == tok[:, None]).astype(qs.dtype))
             hid = handed_over(o)
-            outs.append((tok, p, ok, hid, lg if return_logits else None))
+            outs.append((tok, p, ok, hid, lg if return_logits else None, ids, qs))
         return (state, tok, hid), tuple(outs)
 
     carry, ys = run_cycle((state, at_last(pairs.tokens), anchor_hidden), 0, first=True)
@@ -502,6 +530,8 @@ def _propose(
         return jnp.moveaxis(y.reshape((C * M, *y.shape[2:])), 0, 1)
 
     output = _finish(*(steps(f) for f in range(5)), active, threshold)
+    if key is not None:
+        output = dataclasses.replace(output, draft_probs=DraftProbs(ids=steps(5), probs=steps(6)))
     state = dataclasses.replace(
         state, last_num_drafted=jnp.where(active, K, state.last_num_drafted).astype(jnp.int32)
     )
@@ -522,6 +552,9 @@ def propose(
     head_cfg: LMHeadConfig | None = None,
     return_logits: bool = False,
     implementation: Implementation | str = Implementation.AUTO,
+    temperature: float | jax.Array = 0.0,
+    key: jax.Array | None = None,
+    draft_top_k: int = DEFAULT_DRAFT_TOP_K,
 ) -> tuple[ProposeOutput, DrafterState]:
     """Writes the window's new pairs and drafts K tokens per sequence (see the module docstring).
 
@@ -536,13 +569,20 @@ def propose(
         residual; PINNED: the anchor's target hidden); None: ``cfg.default_hidden_contract``.
       bitmask: optional grammar mask, packed int32[B, W] (every draft) or [B, K, W] (per draft;
         ``[B, num_drafts, W]`` is cut to the first K); bit ``j % 32`` of word ``j // 32``
-        allows token j. Applied before the argmax.
+        allows token j. Applied before the argmax or the draw.
       confidence_threshold: optional scalar or f32[B]; drafts after the first one whose running
         confidence falls below it are invalid (token -1, excluded from ``num_valid``).
       head_cfg: static LM head config (default ``cfg.lm_head_config()``); with a reduced draft
         vocab only its first V' rows are scored, so drafts are < V'.
       return_logits: static; also return the masked draft logits [B, K, V'].
       implementation: ``Implementation`` or its name, for the projections and the attention.
+      temperature: a real scalar, traced as in ``generate`` (``accept.check_temperature``);
+        with ``key`` and > 0 each draft is sampled from the drafter's top ``draft_top_k``
+        tokens at this temperature, renormalised (``mtpjax.drafter._sampling`` says why that
+        proposal keeps rejection sampling exact), and returned in ``draft_probs``; verify at the
+        same temperature. 0 (or no key) drafts by argmax, the program of a call without it.
+      key: PRNG key of the draws (one for the batch); None: argmax drafts.
+      draft_top_k: static int >= 1, the proposal's support per draft (clamped to V').
 
     Returns:
       ``ProposeOutput`` ([B, K]) and the new state: ``last_num_drafted = K`` for the active
@@ -551,6 +591,12 @@ def propose(
     """
     modules = as_modules(params, cfg)
     K = effective_num_drafts(modules.num_modules, num_drafts, modules.schedule)
+    # Imported here: mtpjax.verify imports this package.
+    from mtpjax.verify.accept import check_temperature
+
+    temperature, key = check_temperature(temperature, key)
+    if isinstance(draft_top_k, bool) or not isinstance(draft_top_k, int) or draft_top_k < 1:
+        raise ValueError(f"draft_top_k must be a Python int >= 1, got {draft_top_k!r}")
     if hidden_contract is None:
         hidden_contract = cfg.default_hidden_contract
     if not isinstance(hidden_contract, HiddenContract):
@@ -577,12 +623,16 @@ def propose(
         pairs,
         bitmask,
         confidence_threshold,
+        temperature,
+        key,
         cfg=cfg,
         num_drafts=K,
         hidden_contract=hidden_contract,
         head_cfg=head_cfg,
         return_logits=bool(return_logits),
         implementation=Implementation.parse(implementation),
+        # One program for argmax drafts whatever top_k says.
+        draft_top_k=draft_top_k if key is not None else DEFAULT_DRAFT_TOP_K,
     )
 
 

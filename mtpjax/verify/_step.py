@@ -57,6 +57,7 @@ def verify(
     metrics: metrics_lib.SpecDecodeMetrics | None = None,
     active: jax.Array | None = None,
     implementation: Implementation | str = Implementation.AUTO,
+    num_proposed: jax.Array | None = None,
 ) -> tuple[VerifyOutput, object]:
     """Verifies one round of drafts; one jit (every temperature > 0 shares a program).
 
@@ -68,8 +69,9 @@ def verify(
       drafts: the `ProposeOutput` of this round.
       cfg: the target's LM-head config (full vocab: drafts are checked against the target's
         own distribution).
-      temperature: 0.0 for greedy acceptance; > 0 for lossless rejection sampling (the drafts
-        are argmax drafts, so the draft distribution is one-hot at each draft). A real scalar,
+      temperature: 0.0 for greedy acceptance; > 0 for lossless rejection sampling against
+        `drafts.draft_probs`, the proposal of sampled drafts (propose at the same temperature),
+        or, for argmax drafts (None), a draft distribution one-hot at each draft. A real scalar,
         traced (see `accept.check_temperature`).
       key: PRNG key, required when temperature > 0.
       refeed: bool or bool[B], traced; rebuild accepted chain rows from the target's hidden
@@ -79,6 +81,8 @@ def verify(
         ran (a sequence that ran with zero valid drafts still gets the target's token); every
         sequence for drafts built by hand without it.
       implementation: `Implementation` (or its name, any case) of the LM head.
+      num_proposed: int[B] drafts the drafter proposed when fewer were sent (`drafts.num_valid`
+        cut by `draft_length.send`), for the metrics; default: as many as were sent.
 
     Returns:
       (VerifyOutput with the updated metrics, new drafter state).
@@ -94,6 +98,7 @@ def verify(
         jnp.asarray(refeed, bool),
         metrics,
         active,
+        num_proposed,
         cfg=cfg,
         # The canonical name: one static value per choice, and every layer below takes it.
         implementation=Implementation.parse(implementation).value,
@@ -111,6 +116,7 @@ def _verify(
     refeed,
     metrics,
     active,
+    num_proposed,
     *,
     cfg,
     implementation,
@@ -125,7 +131,12 @@ def _verify(
     )
     logits = logits.reshape(B, K + 1, -1).astype(jnp.float32)
     result = accept_lib.accept(
-        drafts.tokens, None, logits, temperature=temperature, key=key, num_valid=num_valid
+        drafts.tokens,
+        drafts.draft_probs,
+        logits,
+        temperature=temperature,
+        key=key,
+        num_valid=num_valid,
     )
     num_accepted = jnp.where(active, result.num_accepted, 0)
     # Inactive sequences proposed nothing this round (last_num_drafted is 0 for them), so the
@@ -137,6 +148,11 @@ def _verify(
         num_accepted=num_accepted,
         output_tokens=jnp.where(active[:, None], result.output_tokens, -1),
         num_output=jnp.where(active, result.num_output, 0),
-        metrics=metrics_lib.update(metrics, num_accepted, num_valid),
+        metrics=metrics_lib.update(
+            metrics,
+            num_accepted,
+            num_valid,
+            None if num_proposed is None else jnp.where(active, num_proposed, 0),
+        ),
     )
     return out, state

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtpjax.drafter._sampling import DraftProbs
+
 __all__ = ["PLACEHOLDER_TOKEN_ID", "AcceptResult", "accept", "check_temperature"]
 
 # Fill value for the unused tail of `AcceptResult.output_tokens` (vLLM uses the same id).
@@ -51,7 +53,7 @@ class AcceptResult:
 
 def accept(
     draft_tokens: jax.Array,
-    draft_probs: jax.Array | None,
+    draft_probs: jax.Array | DraftProbs | None,
     target_logits: jax.Array,
     *,
     temperature: float | jax.Array,
@@ -76,7 +78,9 @@ def accept(
     Args:
       draft_tokens: int[B, K] drafted token ids. Drafts outside ``[0, V)`` (e.g. -1 padding)
         are never accepted.
-      draft_probs: f[B, K, V] the drafter's distribution ``q`` each draft was sampled from, or
+      draft_probs: f[B, K, V] the drafter's distribution ``q`` each draft was sampled from, the
+        same ``q`` on its support as a ``DraftProbs`` (ids, probs [B, K, k]: q is 0 off the
+        listed ids, as for drafts from the drafter's top k, ``propose(temperature=, key=)``), or
         None for argmax drafts (``q`` one-hot at the draft: accept with probability ``p(x)``,
         resample from ``p`` with ``x`` removed). The caller passes ``q`` already at the same
         temperature as the target (softmax of the drafter logits / temperature); this function
@@ -96,7 +100,12 @@ def accept(
     """
     temperature, key = check_temperature(temperature, key)
     draft_tokens, target_logits = jnp.asarray(draft_tokens), jnp.asarray(target_logits)
-    draft_probs = None if draft_probs is None else jnp.asarray(draft_probs)
+    if isinstance(draft_probs, DraftProbs):
+        draft_probs = DraftProbs(
+            ids=jnp.asarray(draft_probs.ids), probs=jnp.asarray(draft_probs.probs)
+        )
+    elif draft_probs is not None:
+        draft_probs = jnp.asarray(draft_probs)
     num_valid = None if num_valid is None else jnp.asarray(num_valid)
     _check_inputs(draft_tokens, draft_probs, target_logits, num_valid)
     return _accept(draft_tokens, draft_probs, target_logits, num_valid, temperature, key)
@@ -197,7 +206,8 @@ def _rejection_sample(draft_tokens, draft_probs, scaled_logits, can_accept, num_
     vocab = scaled_logits.shape[-1]
     key_accept, key_sample = jax.random.split(key)
     probs = jax.nn.softmax(scaled_logits, axis=-1)  # [B, K+1, V]
-    if draft_probs is not None:
+    sparse = isinstance(draft_probs, DraftProbs)
+    if draft_probs is not None and not sparse:
         draft_probs = draft_probs.astype(jnp.float32)
 
     # Clipped ids only keep the gathers in bounds; out-of-vocab drafts are in can_accept.
@@ -205,6 +215,8 @@ def _rejection_sample(draft_tokens, draft_probs, scaled_logits, can_accept, num_
     p_draft = jnp.take_along_axis(probs[:, :num_drafts], safe_tokens, axis=-1)[..., 0]  # [B, K]
     if draft_probs is None:
         q_draft = jnp.ones_like(p_draft)
+    elif sparse:
+        q_draft = draft_probs.at(draft_tokens).astype(jnp.float32)  # 0 off the support
     else:
         q_draft = jnp.take_along_axis(draft_probs, safe_tokens, axis=-1)[..., 0]  # [B, K]
     uniform = jax.random.uniform(key_accept, (batch, num_drafts))
@@ -222,6 +234,10 @@ def _rejection_sample(draft_tokens, draft_probs, scaled_logits, can_accept, num_
         if draft_probs is None:
             # one_hot of an out-of-vocab id is all zero, so its residual is p.
             q_row = jax.nn.one_hot(_take_row(draft_tokens, rejected_row), vocab)
+        elif sparse:
+            # q over the vocabulary for the one row per sequence that needs it: [B, V].
+            support = jax.tree.map(lambda x: _take_row(x, rejected_row), draft_probs)
+            q_row = support.dense(vocab)
         else:
             q_row = _take_row(draft_probs, rejected_row)
         residual = jnp.maximum(p_row - q_row, 0.0)
@@ -263,7 +279,16 @@ def _check_inputs(draft_tokens, draft_probs, target_logits, num_valid) -> None:
             f"for draft_tokens [B, K] = {list(draft_tokens.shape)}, got "
             f"{list(target_logits.shape)}"
         )
-    if draft_probs is not None and (
+    if isinstance(draft_probs, DraftProbs):
+        ids, probs = draft_probs.ids, draft_probs.probs
+        k = ids.shape[-1] if ids.ndim == 3 else -1
+        if ids.ndim != 3 or ids.shape[:2] != (batch, num_drafts) or k < 1:
+            raise _bad("draft_probs.ids", f"int[B, K, k] = [{batch}, {num_drafts}, k>=1]", ids)
+        if not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise _bad("draft_probs.ids", "integer token ids", ids)
+        if probs.shape != ids.shape or not jnp.issubdtype(probs.dtype, jnp.floating):
+            raise _bad("draft_probs.probs", f"float{list(ids.shape)} (as ids)", probs)
+    elif draft_probs is not None and (
         draft_probs.shape != (batch, num_drafts, vocab)
         or not jnp.issubdtype(draft_probs.dtype, jnp.floating)
     ):

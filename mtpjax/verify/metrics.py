@@ -7,6 +7,8 @@ are host-side methods that read the counters back:
   mean acceptance length     1 + num_accepted_tokens / num_drafts   (counts the bonus token)
   draft acceptance rate      num_accepted_tokens / num_draft_tokens
   per-position acceptance    num_accepted_tokens_per_pos / num_drafts
+  fraction of drafts sent    num_draft_tokens / num_proposed_tokens (1 unless an adaptive draft
+                             length, ``mtpjax.verify.draft_length``, held drafts back)
 
 A ratio whose denominator is zero (nothing drafted yet) is NaN, for every derived value alike:
 "no data" stays distinguishable from "nothing accepted". vLLM's log line agrees for the
@@ -43,12 +45,18 @@ class SpecDecodeMetrics:
       num_accepted_tokens: int32[] drafted tokens accepted (bonus tokens not included).
       num_accepted_tokens_per_pos: int32[K] entry i counts rounds whose draft at position i was
         accepted; it sums to `num_accepted_tokens`.
+      num_proposed_tokens: int32[] drafted tokens the drafter proposed (valid drafts), of which
+        `num_draft_tokens` were sent; the two differ only under an adaptive draft length.
+      num_rounds_per_sent: int32[K+1] entry n counts rounds (per sequence) that proposed at
+        least one draft and sent n of them: what a cost model of the verify needs.
     """
 
     num_drafts: jax.Array  # []
     num_draft_tokens: jax.Array  # []
     num_accepted_tokens: jax.Array  # []
     num_accepted_tokens_per_pos: jax.Array  # [K]
+    num_proposed_tokens: jax.Array  # []
+    num_rounds_per_sent: jax.Array  # [K+1]
 
     @property
     def num_spec_tokens(self) -> int:
@@ -101,20 +109,27 @@ def empty(k: int) -> SpecDecodeMetrics:
         num_draft_tokens=zero,
         num_accepted_tokens=zero,
         num_accepted_tokens_per_pos=jnp.zeros((k,), jnp.int32),
+        num_proposed_tokens=zero,
+        num_rounds_per_sent=jnp.zeros((k + 1,), jnp.int32),
     )
 
 
 @jax.jit
 def update(
-    metrics: SpecDecodeMetrics, num_accepted: jax.Array, num_drafted: jax.Array
+    metrics: SpecDecodeMetrics,
+    num_accepted: jax.Array,
+    num_drafted: jax.Array,
+    num_proposed: jax.Array | None = None,
 ) -> SpecDecodeMetrics:
     """Adds one verify round. Pure; jitted, so a host loop over rounds stays cheap.
 
     Args:
       metrics: the counters so far, K positions.
       num_accepted: int[B] drafts accepted per sequence (`AcceptResult.num_accepted`).
-      num_drafted: int[B] drafts proposed per sequence (e.g. `num_valid`); sequences with 0
-        did not draft and add nothing, not even to `num_drafts`.
+      num_drafted: int[B] drafts sent for verification per sequence (e.g. `num_valid`);
+        sequences with 0 did not draft and add nothing, not even to `num_drafts`.
+      num_proposed: int[B] drafts the drafter proposed, of which `num_drafted` were sent
+        (clamped to >= num_drafted); default `num_drafted`.
 
     Counts are clamped so that ``0 <= accepted <= min(drafted, K)``; this keeps
     ``sum(num_accepted_tokens_per_pos) == num_accepted_tokens`` even for inconsistent inputs.
@@ -129,11 +144,25 @@ def update(
     accepted = jnp.clip(num_accepted.astype(jnp.int32), 0, jnp.minimum(drafted, k))  # [B]
     positions = jnp.arange(k, dtype=jnp.int32)
     per_pos = jnp.sum(accepted[:, None] > positions[None, :], axis=0, dtype=jnp.int32)  # [K]
+    if num_proposed is None:
+        proposed = drafted
+    else:
+        if num_proposed.shape != num_drafted.shape:
+            raise ValueError(
+                f"num_proposed must be int[B] like num_drafted {list(num_drafted.shape)}, got "
+                f"{list(num_proposed.shape)}"
+            )
+        proposed = jnp.maximum(num_proposed.astype(jnp.int32), drafted)
+    sent = jnp.minimum(drafted, k)
+    lengths = jnp.arange(k + 1, dtype=jnp.int32)
+    per_sent = jnp.sum((proposed[:, None] > 0) & (sent[:, None] == lengths), axis=0)  # [K+1]
     return SpecDecodeMetrics(
         num_drafts=metrics.num_drafts + jnp.sum(drafted > 0, dtype=jnp.int32),
         num_draft_tokens=metrics.num_draft_tokens + jnp.sum(drafted, dtype=jnp.int32),
         num_accepted_tokens=metrics.num_accepted_tokens + jnp.sum(accepted, dtype=jnp.int32),
         num_accepted_tokens_per_pos=metrics.num_accepted_tokens_per_pos + per_pos,
+        num_proposed_tokens=metrics.num_proposed_tokens + jnp.sum(proposed, dtype=jnp.int32),
+        num_rounds_per_sent=metrics.num_rounds_per_sent + per_sent.astype(jnp.int32),
     )
 
 
