@@ -136,3 +136,43 @@ def test_the_training_split_excludes_the_heldout_files():
     files = training_files(demo.ASSET_DIR)
     held = {p.resolve() for p in demo.heldout_files()}
     assert files and held and not held & {p.resolve() for p in files}
+
+
+def test_a_sharded_source_gets_one_new_shard_for_the_head(pair_dir, tmp_path):
+    # The source split in two shards with an index: the output links both, adds one shard with
+    # the head's tensors and maps them to it; the converter then reads the new values.
+    from safetensors.flax import save_file
+
+    from mtpjax.checkpoint import SafetensorsCheckpoint, convert
+    from mtpjax.train import write_model_dir
+
+    src = tmp_path / "sharded"
+    src.mkdir()
+    for name in ("config.json", "tokenizer.json", "heldout_files.txt"):
+        shutil.copy(pair_dir / name, src / name)
+    with safe_open(str(pair_dir / "model.safetensors"), "flax") as f:
+        tensors = {n: f.get_tensor(n) for n in sorted(f.keys())}
+    shards = {"a.safetensors": {}, "b.safetensors": {}}
+    for i, (n, t) in enumerate(tensors.items()):
+        shards["a.safetensors" if i % 2 else "b.safetensors"][n] = t
+    weight_map = {}
+    for shard, part in shards.items():
+        save_file(part, str(src / shard))
+        weight_map |= dict.fromkeys(part, shard)
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    dcfg = DrafterConfig.from_hf_config(src)
+    mtp = drafter.init(dcfg, key=jax.random.key(9))
+    out = tmp_path / "out"
+    write_model_dir(src, out, mtp, dcfg)
+    assert (out / "a.safetensors").is_symlink() and (out / "b.safetensors").is_symlink()
+    ckpt = SafetensorsCheckpoint(out)
+    new = hf_tensors(mtp, dcfg)
+    assert {ckpt.shard_of(n) for n in new} == {"model-mtp-finetuned.safetensors"}
+    assert {ckpt.shard_of(n) for n in tensors if n not in new} <= set(shards)
+    convert(out, tmp_path / "converted", precision="bf16", progress=False)
+    _, loaded = load_drafter(tmp_path / "converted")
+    for name, value in hf_tensors(loaded.modules[0], dcfg).items():
+        np.testing.assert_array_equal(
+            np.asarray(value, np.float32), np.asarray(new[name], np.float32)
+        )

@@ -25,7 +25,7 @@ PROMPT_TOKENS = 48
 MAX_NEW_TOKENS = 24
 SEED = 0
 """
-FIGURES = 5  # one per question: k, precision, temperature, hidden-state contract, trees
+FIGURES = 6  # one per question: k, precision, temperature, contract, trees, fine-tuning
 CELL_TIMEOUT_S = 300  # a hang guard; the whole reduced run takes well under this
 
 

@@ -259,29 +259,35 @@ def batch_indices(seed: int, step: int, n: int, batch: int) -> np.ndarray:
     return np.sort(np.random.default_rng([seed, step]).choice(n, batch, replace=False))
 
 
+def _smooth(values: list[float], window: int) -> np.ndarray:
+    """Trailing mean over ``window`` steps (shorter at the start)."""
+    c = np.cumsum(np.asarray(values, np.float64))
+    lo = np.concatenate([np.zeros(window), c[:-window]]) if len(c) > window else np.zeros(len(c))
+    return (c - lo[: len(c)]) / np.minimum(np.arange(1, len(c) + 1), window)
+
+
 def _plot(curve: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Per-batch losses (faint) and their trailing means over ~5% of the run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in curve]
+    window = max(1, len(curve) // 20)
+    series = [("weighted loss", [r["loss"] for r in curve], "black", "-")]
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for key, ls in (("ce", "-"), ("kl", "--")):
+        if key in curve[0]:
+            for s in range(len(curve[0][key])):
+                label = f"{key.upper()} step {s + 1}"
+                series.append((label, [r[key][s] for r in curve], colors[s % len(colors)], ls))
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    ax.plot(steps, [r["loss"] for r in curve], color="black", lw=1.2, label="weighted loss")
-    for s in range(len(curve[0]["ce"])):
-        ax.plot(steps, [r["ce"][s] for r in curve], lw=1, alpha=0.8, label=f"CE step {s + 1}")
-    if "kl" in curve[0]:
-        for s in range(len(curve[0]["kl"])):
-            ax.plot(
-                steps,
-                [r["kl"][s] for r in curve],
-                lw=1,
-                ls="--",
-                alpha=0.8,
-                label=f"KL step {s + 1}",
-            )
+    for label, values, color, ls in series:
+        ax.plot(steps, values, color=color, ls=ls, lw=0.6, alpha=0.2)
+        ax.plot(steps, _smooth(values, window), color=color, ls=ls, lw=1.4, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("nats / token")
+    ax.set_ylabel(f"nats / token (faint: per batch; lines: mean of {window} steps)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
