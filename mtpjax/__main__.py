@@ -31,9 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         from mtpjax.checkpoint import convert_main
 
         return convert_main(argv[1:])
-    if argv[:1] == ["finetune"]:  # its own flags too, and its imports (optax, orbax) only here
-        from mtpjax.train import finetune_main
-
+    if argv[:1] == ["finetune"]:  # its own flags too, and optax (the `train` extra) only here
+        try:
+            from mtpjax.train import finetune_main
+        except ModuleNotFoundError as err:
+            print(f"mtpjax finetune needs {err.name}: pip install 'mtpjax[train]'", file=sys.stderr)
+            return 2
         return finetune_main(argv[1:])
     parser = argparse.ArgumentParser(prog="mtpjax", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mtpjax {mtpjax.__version__}")

@@ -28,7 +28,7 @@ one, with held-out acceptance before and after.
    measured by one function (``mtpjax.train._evaluate.acceptance``) on the held-out prompts.
 
 Memory (one H200, 141 GiB), a Qwen3.5-27B-sized head (hidden 5120, 24 / 4 heads of 256, FFN
-17408): 424.7M trainable parameters (fc 52.4M, attention 110.1M, FFN 267.4M, norms); F32 masters
+17408): 424.7M trainable parameters (fc 52.4M, attention 104.9M, FFN 267.4M, norms); F32 masters
 1.70 GB + F32 gradients 1.70 GB + AdamW moments 3.40 GB + the BF16 copy the forward reads 0.85
 GB = 7.6 GB. Frozen: the embedding and LM head (248320 x 5120 each, 2.54 GB each in BF16, one
 table when tied) and the 27B target (54 GB in BF16; with ``OUT``'s cached hidden states it is
@@ -459,9 +459,17 @@ def main(argv: list[str] | None = None, *, prog: str = "mtpjax finetune") -> int
                 )
                 return INTERRUPTED
     except KeyboardInterrupt:
-        checkpoint()
         bar.close()
-        _log(f"interrupted at step {int(state.step)}; checkpoint saved, the same command resumes")
+        try:  # the state is whole unless the interrupt came inside a step (its input donated)
+            checkpoint()
+            _log(
+                f"interrupted at step {int(state.step)}; checkpoint saved, the same command resumes"
+            )
+        except Exception:  # any failure leaves the newest checkpoint on disk
+            _log(
+                f"interrupted inside a step; the same command resumes from step {ckpts.latest_step()}"
+            )
+        ckpts.close()
         return INTERRUPTED
     bar.close()
     ckpts.close()
