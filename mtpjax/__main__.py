@@ -1,8 +1,9 @@
 """Command line: `mtpjax demo` (speculative decoding on the shipped pair, or on a Hugging Face
 directory with `--model DIR`), `mtpjax generate DIR --prompt TEXT` (generation from a Qwen3.5 /
 Qwen3-Next directory, with or without speculation), `mtpjax selfcheck` (version and JAX backend)
-and `mtpjax convert SRC OUT ...` (a Hugging Face checkpoint's MTP drafter to an mtpjax
-checkpoint; `mtpjax convert --help` lists its flags)."""
+`mtpjax convert SRC OUT ...` (a Hugging Face checkpoint's MTP drafter to an mtpjax
+checkpoint; `mtpjax convert --help` lists its flags) and `mtpjax finetune --out DIR ...`
+(self-distilled multi-step fine-tuning of the MTP head; `mtpjax finetune --help`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         from mtpjax.checkpoint import convert_main
 
         return convert_main(argv[1:])
+    if argv[:1] == ["finetune"]:  # its own flags too, and optax (the `train` extra) only here
+        try:
+            from mtpjax.train import finetune_main
+        except ModuleNotFoundError as err:
+            print(f"mtpjax finetune needs {err.name}: pip install 'mtpjax[train]'", file=sys.stderr)
+            return 2
+        return finetune_main(argv[1:])
     parser = argparse.ArgumentParser(prog="mtpjax", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mtpjax {mtpjax.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         "convert",
         add_help=False,
         help="convert a Hugging Face checkpoint's MTP drafter: convert SRC OUT --precision ...",
+    )
+    sub.add_parser(
+        "finetune",
+        add_help=False,
+        help="fine-tune the MTP head on self-distilled data: finetune --out DIR [--model DIR] ...",
     )
     args = parser.parse_args(argv)
     return args.func(args)

@@ -73,6 +73,7 @@ from mtpjax import drafter as drafter_lib
 from mtpjax import generation as gen
 from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.config import HiddenContract
+from mtpjax.train import heldout_prompts
 from mtpjax.verify import draft_length
 
 PRECISIONS = demo.PRECISIONS  # bf16, fp8, nvfp4
@@ -88,19 +89,11 @@ def heldout_snippets(
 ) -> tuple[np.ndarray, list[str]]:
     """(int32[B, prompt_len] prompts, their file names): one window from the middle of each
     held-out file with at least ``prompt_len + new_tokens + 2`` tokens, at most ``max_snippets``
-    of them spread evenly over the list."""
-    length = prompt_len + new_tokens + 2
-    pool = []
-    for path in demo.heldout_files():
-        ids = np.asarray(tokenizer.encode(path.read_text(encoding="utf-8")).ids, np.int32)
-        if len(ids) >= length:
-            start = (len(ids) - length) // 2
-            pool.append((path.name, ids[start : start + prompt_len]))
-    if not pool:
-        raise RuntimeError(f"no held-out file has {length} tokens")
-    count = len(pool) if max_snippets is None else min(max_snippets, len(pool))
-    pick = np.unique(np.linspace(0, len(pool) - 1, count).round().astype(int))
-    return np.stack([pool[i][1] for i in pick]), [pool[i][0] for i in pick]
+    of them spread evenly over the list (``mtpjax.train.heldout_prompts``, which the
+    fine-tuning's before/after evaluation uses too)."""
+    return heldout_prompts(
+        tokenizer, prompt_len=prompt_len, new_tokens=new_tokens, max_snippets=max_snippets
+    )
 
 
 def load_drafters(precisions: list[str], *, scratch: Path) -> dict[str, tuple]:

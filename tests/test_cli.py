@@ -39,7 +39,7 @@ def test_help_lists_the_subcommands(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     usage = capsys.readouterr().out.splitlines()[0]
-    assert "{selfcheck,demo,generate,convert}" in usage
+    assert "{selfcheck,demo,generate,convert,finetune}" in usage
 
 
 @pytest.mark.parametrize(
@@ -59,6 +59,21 @@ def test_convert_forwards_its_arguments(monkeypatch, argv):
 
     monkeypatch.setattr(mtpjax.checkpoint, "convert_main", convert_main, raising=False)
     assert main(["convert", *argv]) == 7
+    assert seen == [argv]
+
+
+@pytest.mark.parametrize("argv", [["--out", "OUT", "--steps", "5"], ["--help"]])
+def test_finetune_forwards_its_arguments(monkeypatch, argv):
+    import mtpjax.train
+
+    seen = []
+
+    def finetune_main(args):
+        seen.append(args)
+        return 7
+
+    monkeypatch.setattr(mtpjax.train, "finetune_main", finetune_main)
+    assert main(["finetune", *argv]) == 7
     assert seen == [argv]
 
 

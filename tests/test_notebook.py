@@ -25,7 +25,8 @@ PROMPT_TOKENS = 48
 MAX_NEW_TOKENS = 24
 SEED = 0
 """
-FIGURES = 7  # one per question: k, precision, temperature, contract, trees, sampled, length
+FIGURES = 8  # one per question: k, precision, temperature, contract, trees, sampled, length,
+# fine-tuning
 CELL_TIMEOUT_S = 300  # a hang guard; the whole reduced run takes well under this
 
 

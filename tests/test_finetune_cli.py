@@ -1,0 +1,178 @@
+"""``mtpjax finetune`` end to end on a tiny random pair in the Hugging Face layout: it writes a
+loadable fine-tuned directory, the converted drafter, the curves and the before/after
+acceptance; a run stopped after a checkpoint and resumed ends with the parameters of an
+uninterrupted run with the same seed, bit for bit."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from mtpjax import demo, drafter, hybrid
+from mtpjax.__main__ import main as cli
+from mtpjax.checkpoint import load_drafter
+from mtpjax.config import DrafterConfig
+from mtpjax.train import INTERRUPTED, hf_tensors
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_tiny_pair.py"
+
+
+@functools.cache
+def _train_script():
+    spec = importlib.util.spec_from_file_location("train_tiny_pair", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory) -> Path:
+    """A random pair of train_tiny_pair's "tiny" size with the shipped tokenizer's vocab, its
+    tokenizer and its held-out list (so the training split is the shipped pair's)."""
+    script = _train_script()
+    path = tmp_path_factory.mktemp("tiny-pair")
+    config = script.hf_config("tiny", max_position_embeddings=512, eos_id=0)
+    config["vocab_size"] = 4096
+    cfg = hybrid.HybridConfig.from_hf(config)
+    params, head = hybrid.init(cfg, key=jax.random.key(0))
+    mtp = drafter.init(DrafterConfig.from_hf_config(config), key=jax.random.key(1))
+    script.save_pair(path, config=config, cfg=cfg, params=params, head=head, mtp=mtp)
+    for name in ("tokenizer.json", "heldout_files.txt"):
+        shutil.copy(demo.ASSET_DIR / name, path / name)
+    return path
+
+
+ARGS = [
+    "--num-prompts", "4", "--prompt-len", "8", "--new-tokens", "8", "--gen-batch", "4",
+    "--num-steps", "2", "--steps", "6", "--batch", "2", "--warmup", "1", "--lr", "1e-3",
+    "--log-every", "2", "--save-every", "2",
+]  # fmt: skip
+
+
+def _mtp_tensors(directory: Path) -> dict[str, np.ndarray]:
+    with safe_open(str(directory / "model.safetensors"), "flax") as f:
+        return {
+            n: np.asarray(f.get_tensor(n), np.float32)
+            for n in sorted(f.keys())
+            if n.startswith("mtp.")
+        }
+
+
+def test_finetune_writes_a_loadable_pair_and_resumes_exactly(pair_dir, tmp_path, capsys):
+    full = tmp_path / "full"
+    eval_args = ["--eval-snippets", "1", "--eval-new-tokens", "4", "--eval-ks", "1,2"]
+    assert cli(["finetune", "--model", str(pair_dir), "--out", str(full), *ARGS, *eval_args]) == 0
+    printed = capsys.readouterr().out
+    assert "| before |" in printed and "| after |" in printed
+
+    for name in ("finetune.json", "loss_curve.png", "train_curve.json", "selfdistill.npz"):
+        assert (full / name).is_file(), name
+    result = json.loads((full / "finetune.json").read_text())
+    assert result["steps_this_run"] == 6 and result["final"]["step"] == 5
+    for name in ("before", "after"):
+        assert [r["k"] for r in result[name]] == [1, 2]
+        assert all(r["identical"] and not r["kv_error"] for r in result[name])
+    curve = json.loads((full / "train_curve.json").read_text())
+    assert [r["step"] for r in curve] == list(range(6)) and len(curve[0]["ce"]) == 2
+    data = np.load(full / "selfdistill.npz")["tokens"]
+    assert data.shape == (4, 16) and data.min() >= 0
+
+    # The fine-tuned tensors are in the HF directory, the target's as the source stores them,
+    # and the converted drafter holds the same values; the head changed.
+    dcfg, ckpt = load_drafter(full / "drafter-bf16")
+    written = _mtp_tensors(full / "hf")
+    source = _mtp_tensors(pair_dir)
+    assert written.keys() == source.keys()
+    converted = hf_tensors(ckpt.modules[0], dcfg)
+    assert converted.keys() == written.keys()
+    for name, value in written.items():
+        np.testing.assert_array_equal(np.asarray(converted[name], np.float32), value)
+    assert any(not np.array_equal(written[n], source[n]) for n in written)
+    with (
+        safe_open(str(full / "hf" / "model.safetensors"), "flax") as a,
+        safe_open(str(pair_dir / "model.safetensors"), "flax") as b,
+    ):
+        assert set(a.keys()) == set(b.keys())
+        for n in sorted(b.keys()):
+            if not n.startswith("mtp."):
+                np.testing.assert_array_equal(
+                    np.asarray(a.get_tensor(n)), np.asarray(b.get_tensor(n))
+                )
+    hybrid.load(full / "hf", cfg=hybrid.HybridConfig.from_hf(full / "hf"))
+
+    # Stopped after 3 steps (the checkpoint of step 2 and the one written on stopping), then
+    # resumed by the same command: the final head is the uninterrupted run's, bit for bit.
+    part = tmp_path / "part"
+    argv = ["finetune", "--model", str(pair_dir), "--out", str(part), *ARGS, "--no-eval"]
+    assert cli([*argv, "--stop-after", "3"]) == INTERRUPTED
+    assert not (part / "hf").exists()
+    capsys.readouterr()
+    assert cli(argv) == 0
+    assert "resumed from the checkpoint at step 3" in capsys.readouterr().err
+    resumed = _mtp_tensors(part / "hf")
+    for name, value in written.items():
+        np.testing.assert_array_equal(resumed[name], value)
+    curve_part = json.loads((part / "train_curve.json").read_text())
+    assert [r["step"] for r in curve_part] == list(range(6))
+    np.testing.assert_array_equal([r["loss"] for r in curve_part], [r["loss"] for r in curve])
+
+    # Another setting in the same run directory is refused.
+    assert cli([*argv, "--lr", "5e-4"]) == 2
+
+
+def test_the_training_split_excludes_the_heldout_files():
+    from mtpjax.train import training_files
+
+    files = training_files(demo.ASSET_DIR)
+    held = {p.resolve() for p in demo.heldout_files()}
+    assert files and held and not held & {p.resolve() for p in files}
+
+
+def test_a_sharded_source_gets_one_new_shard_for_the_head(pair_dir, tmp_path):
+    # The source split in two shards with an index: the output links both, adds one shard with
+    # the head's tensors and maps them to it; the converter then reads the new values.
+    from safetensors.flax import save_file
+
+    from mtpjax.checkpoint import SafetensorsCheckpoint, convert
+    from mtpjax.train import write_model_dir
+
+    src = tmp_path / "sharded"
+    src.mkdir()
+    for name in ("config.json", "tokenizer.json", "heldout_files.txt"):
+        shutil.copy(pair_dir / name, src / name)
+    with safe_open(str(pair_dir / "model.safetensors"), "flax") as f:
+        tensors = {n: f.get_tensor(n) for n in sorted(f.keys())}
+    shards = {"a.safetensors": {}, "b.safetensors": {}}
+    for i, (n, t) in enumerate(tensors.items()):
+        shards["a.safetensors" if i % 2 else "b.safetensors"][n] = t
+    weight_map = {}
+    for shard, part in shards.items():
+        save_file(part, str(src / shard))
+        weight_map |= dict.fromkeys(part, shard)
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    dcfg = DrafterConfig.from_hf_config(src)
+    mtp = drafter.init(dcfg, key=jax.random.key(9))
+    out = tmp_path / "out"
+    write_model_dir(src, out, mtp, dcfg)
+    assert (out / "a.safetensors").is_symlink() and (out / "b.safetensors").is_symlink()
+    ckpt = SafetensorsCheckpoint(out)
+    new = hf_tensors(mtp, dcfg)
+    assert {ckpt.shard_of(n) for n in new} == {"model-mtp-finetuned.safetensors"}
+    assert {ckpt.shard_of(n) for n in tensors if n not in new} <= set(shards)
+    convert(out, tmp_path / "converted", precision="bf16", progress=False)
+    _, loaded = load_drafter(tmp_path / "converted")
+    for name, value in hf_tensors(loaded.modules[0], dcfg).items():
+        np.testing.assert_array_equal(
+            np.asarray(value, np.float32), np.asarray(new[name], np.float32)
+        )
