@@ -645,44 +645,34 @@ def _generate(
         eos_id=eos_id,
         implementation=implementation,
     )
+    # What every speculative round takes, chain or tree.
+    shared = dict(
+        target=target,
+        drafter=drafter,
+        head=head,
+        drafter_head=drafter_head,
+        temperature=temperature,
+        drafter_cfg=drafter_cfg,
+        head_cfg=head_cfg,
+        eos_id=eos_id,
+        hidden_contract=hidden_contract,
+        implementation=implementation,
+    )
     if tree is not None:
         D = tree.depth
         window = dataclasses.replace(
             loop.pairs, tokens=loop.pairs.tokens[:, : D + 1], hidden=loop.pairs.hidden[:, : D + 1]
         )
         loop = dataclasses.replace(loop, pairs=window, metrics=metrics_lib.empty(D))
-        round_ = functools.partial(
-            _tree_round,
-            tree=tree,
-            target=target,
-            drafter=drafter,
-            head=head,
-            drafter_head=drafter_head,
-            temperature=temperature,
-            drafter_cfg=drafter_cfg,
-            head_cfg=head_cfg,
-            eos_id=eos_id,
-            hidden_contract=hidden_contract,
-            implementation=implementation,
-        )
-        return _run(round_, loop)
+        return _run(functools.partial(_tree_round, tree=tree, **shared), loop)
     if drafter is not None:
         round_ = functools.partial(
             _spec_round,
-            target=target,
-            drafter=drafter,
-            head=head,
-            drafter_head=drafter_head,
-            temperature=temperature,
-            drafter_cfg=drafter_cfg,
-            head_cfg=head_cfg,
-            eos_id=eos_id,
-            hidden_contract=hidden_contract,
             refeed=refeed,
-            implementation=implementation,
             draft_sampling=draft_sampling,
             draft_top_k=draft_top_k,
             draft_length=draft_length,
+            **shared,
         )
         return _run(round_, loop)
 

@@ -11,7 +11,7 @@ import numpy as np
 from mtpjax import drafter, kv
 from mtpjax.config import DrafterConfig, FfnKind
 from mtpjax.drafter._forward import pair_rows
-from mtpjax.drafter._propose import _decode_row
+from mtpjax.drafter._propose import decode_row
 from mtpjax.head import LMHeadParams, from_arrays
 from mtpjax.layers import DenseFfnParams
 from mtpjax.weights import dequantize
@@ -92,7 +92,7 @@ def draft_step(params, head, cache, tokens, hidden, positions, *, cfg, active=No
         positions[:, None], cfg=cfg, head_cfg=head_cfg,
     )  # fmt: skip
     cache, _ = kv.append(cache, k, v, active.astype(jnp.int32))
-    out = _decode_row(
+    out = decode_row(
         params, head, cache, x[:, 0], a[:, 0], positions, cfg=cfg, head_cfg=head_cfg,
         implementation="auto",
     )  # fmt: skip

@@ -166,7 +166,7 @@ def test_prefill_traces_once(setup):
         tokens, hidden = random_pairs(rng, (B, T))
         window = pairs(tokens, hidden, [7 - i, 2 + i], [i, 3 * i])
         counted(
-            modules, head, new_state(cfg, B), P._check_inputs(new_state(cfg, B), window, cfg, 1),
+            modules, head, new_state(cfg, B), P.check_propose_inputs(new_state(cfg, B), window, cfg, 1),
             cfg=cfg, chunk_size=4, head_cfg=cfg.lm_head_config(),
             implementation=Implementation.AUTO,
         )  # fmt: skip

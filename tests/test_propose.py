@@ -434,7 +434,7 @@ def test_propose_traces_once(setup):
         # Different counts, starts, values and thresholds every call, and every spelling of the
         # implementation: one program.
         tok, hid = random_pairs(rng, (B, T))
-        window = P._check_inputs(
+        window = P.check_propose_inputs(
             new_state(cfg, B), pairs(tok, hid, [1 + i, 3 - i], [i, 2 * i]), cfg, 1
         )
         _, state = counted(

@@ -209,7 +209,7 @@ def _attend_row(attn, cache, a, positions, *, cfg, implementation) -> jax.Array:
     return output_projection(attn, ctx, None if gate is None else gate[:, 0], **kw)
 
 
-def _decode_row(module, head, cache, x, a, positions, *, cfg, head_cfg, implementation):
+def decode_row(module, head, cache, x, a, positions, *, cfg, head_cfg, implementation):
     """The rest of a row whose K/V is already in ``cache``: x, a [B, H] at positions [B]."""
     kw = dict(implementation=implementation)
     attn = module.layer.attention
@@ -247,7 +247,7 @@ def _shift_left(x: jax.Array | None, skip: jax.Array) -> jax.Array | None:
 # Windows.
 
 
-def _check_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, num_modules: int):
+def check_propose_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, num_modules: int):
     """Static checks of the state against the drafter and of the window; returns ``pairs`` with
     its index arrays as int32 and ``active`` filled in (all True when absent: one program with or
     without it); ``count > 0`` joins it inside the jit, so the wrapper launches no device work."""
@@ -408,6 +408,28 @@ def _finish(tokens, probs, oks, hidden, logits, active, threshold) -> ProposeOut
 # propose.
 
 
+def write_window(module, head, state, pairs, **kw):
+    """Module 0's rows of the window's pairs the state does not hold yet (the pairs it holds
+    from an earlier window are skipped; past-anchor rows are dropped first).
+
+    Returns (state, active bool[B], and every pair's fused input and attention input ``x``,
+    ``a`` [B, T, H], for the chain's first step to read at the anchor).
+    """
+    T = pairs.tokens.shape[1]
+    state, active, skip = _open_window(state, pairs, drop_past_anchor=True)
+    positions = pairs.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    x, a, k, v = pair_rows(module, head, pairs.tokens, pairs.hidden, positions, **kw)
+    before = state.kv[0].seq_len
+    cache, _ = append(
+        state.kv[0],
+        _shift_left(k, skip),
+        _shift_left(v, skip),
+        jnp.where(active, pairs.count - skip, 0),
+    )
+    state = _record(state, 0, cache, before, pairs.start + skip, _shift_left(pairs.tokens, skip))
+    return state, active, x, a
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -446,17 +468,7 @@ def _propose(
     first = modules.modules[0]
 
     # 1. Module 0 writes the window's pairs it does not hold.
-    state, active, skip = _open_window(state, pairs, drop_past_anchor=True)
-    positions = pairs.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    x, a, k, v = pair_rows(first, head, pairs.tokens, pairs.hidden, positions, **kw)
-    before = state.kv[0].seq_len
-    cache, _ = append(
-        state.kv[0],
-        _shift_left(k, skip),
-        _shift_left(v, skip),
-        jnp.where(active, pairs.count - skip, 0),
-    )
-    state = _record(state, 0, cache, before, pairs.start + skip, _shift_left(pairs.tokens, skip))
+    state, active, x, a = write_window(first, head, state, pairs, **kw)
 
     # 2. The chain, cycle by cycle, each running the modules of one cycle in step order (CYCLE:
     # all N, K // N cycles; CLAMP: the first K, one cycle). The first cycle runs outside any
@@ -493,7 +505,7 @@ def _propose(
                 cache, _ = append(state.kv[m], ks, vs, active.astype(jnp.int32))
                 state = _record(state, m, cache, before, pos, tok[:, None])
                 x_s, a_s = xs[:, 0], as_[:, 0]
-            o: DrafterOutput = _decode_row(module, head, state.kv[m], x_s, a_s, pos, **kw)
+            o: DrafterOutput = decode_row(module, head, state.kv[m], x_s, a_s, pos, **kw)
             allowed = None
             if bitmask is not None:
                 mask = bitmask if bitmask.ndim == 2 else jnp.take(bitmask, s, axis=1)
@@ -602,7 +614,7 @@ def propose(
     if not isinstance(hidden_contract, HiddenContract):
         raise TypeError(f"hidden_contract must be a HiddenContract, got {hidden_contract!r}")
     head_cfg = resolve_head_cfg(cfg, head_cfg)
-    pairs = _check_inputs(state, pairs, cfg, modules.num_modules)
+    pairs = check_propose_inputs(state, pairs, cfg, modules.num_modules)
     B = state.num_seqs
     if bitmask is not None:
         bitmask = jnp.asarray(bitmask)
@@ -711,7 +723,7 @@ def prefill(
         modules,
         head,
         state,
-        _check_inputs(state, pairs, cfg, modules.num_modules),
+        check_propose_inputs(state, pairs, cfg, modules.num_modules),
         cfg=cfg,
         chunk_size=chunk_size,
         head_cfg=resolve_head_cfg(cfg, head_cfg),

@@ -32,16 +32,8 @@ from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
 from mtpjax.draft_tree import TreeShape, as_tree
 from mtpjax.drafter._forward import output_head, pair_rows, resolve_head_cfg
 from mtpjax.drafter._params import DrafterModules, DrafterParams
-from mtpjax.drafter._propose import (
-    Pairs,
-    _check_inputs,
-    _decode_row,
-    _open_window,
-    _record,
-    _shift_left,
-)
+from mtpjax.drafter._propose import Pairs, check_propose_inputs, decode_row, write_window
 from mtpjax.head import LMHeadParams
-from mtpjax.kv import append
 from mtpjax.kv.cache import gather
 from mtpjax.kv.pool import quantize_rows_fp8
 from mtpjax.layers.attention import attend, output_projection, project_q
@@ -106,17 +98,7 @@ def _propose_tree(
     attn = params.layer.attention
 
     # 1. Module 0 writes the window's pairs it does not hold (as ``propose``).
-    state, active, skip = _open_window(state, pairs, drop_past_anchor=True)
-    positions = pairs.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    x, a, k, v = pair_rows(params, head, pairs.tokens, pairs.hidden, positions, **kw)
-    before = state.kv[0].seq_len
-    cache, _ = append(
-        state.kv[0],
-        _shift_left(k, skip),
-        _shift_left(v, skip),
-        jnp.where(active, pairs.count - skip, 0),
-    )
-    state = _record(state, 0, cache, before, pairs.start + skip, _shift_left(pairs.tokens, skip))
+    state, active, x, a = write_window(params, head, state, pairs, **kw)
     cache = state.kv[0]
 
     last = jnp.clip(pairs.count - 1, 0, T - 1)
@@ -135,7 +117,7 @@ def _propose_tree(
     }[hidden_contract]
 
     # 2. The root: the chain's step 0 on the anchor row.
-    o = _decode_row(params, head, cache, at_last(x), at_last(a), anchor_key, **kw)
+    o = decode_row(params, head, cache, at_last(x), at_last(a), anchor_key, **kw)
     logits, hidden = [o.logits[:, None]], [handed_over(o)[:, None]]  # per level [B, n_d, ...]
 
     # 3. Depths 1..D-1 (the leaves need no forward): rows, tree-masked attention, top-k.
@@ -241,7 +223,7 @@ def propose_tree(
             raise ValueError(
                 f"tree.branching[{d}]={k} exceeds the draft vocab V'={head_cfg.draft_rows}"
             )
-    pairs = _check_inputs(state, pairs, cfg, 1)
+    pairs = check_propose_inputs(state, pairs, cfg, 1)
     return _propose_tree(
         params,
         head,
