@@ -47,6 +47,19 @@ For every (head, precision, K, B) point:
   the compiler's temporaries may grow with the pool.
 - **two GPUs** (``jax.device_count() >= 2``; first head and precision): the vocab-parallel LM
   head and a batch-sharded propose (one state per device under ``shard_map``) against one GPU.
+- **tensor / expert parallel** (``jax.device_count() >= 2``; heads ``dense`` and ``deepseek``
+  at their first precision; ``--parallel-only`` runs nothing else): propose with the drafter
+  placed by ``drafter.shard_drafter`` over ``--tp-sizes`` devices (1, 2, 4; those the machine
+  has and the head splits into whole heads and experts), the MoE's experts split over the
+  devices (``split="experts"``) and, apart, each expert's width (``"width"``), at
+  ``--parallel-ks`` x ``--parallel-batches`` (1, 3 x 1, 8), all ``implementation="xla"``
+  (jit cannot split a Pallas custom call). Per point: the speed-up over one device (synchronous
+  and back to back), the ratio to the per-device roofline (the bytes one device holds and must
+  read: its shards of the weights, the experts B rows touch split n ways, its KV heads' rows,
+  over the copy bandwidth), the collectives in the compiled program and the bytes they return
+  (weights never cross devices: kilobytes), and whether the drafts equal one device's. Run it
+  at ``--precisions bf16``, which XLA reads at copy bandwidth (a tiny FP8 block-128 head cannot
+  split its 128-wide scale tiles and is left out with a note).
 
 The default grid is a *star* around the middle point (K=3, B=8): every B at K=3, K=1 and K=5 at
 B=8. ``--grid full`` runs every (K, B) pair. Executables are compiled ahead of time, several at
@@ -65,6 +78,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import math
 import os
 import re
 import sys
@@ -75,7 +89,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
@@ -93,6 +107,7 @@ PRECISIONS = {  # name -> (drafter precision, LM head precision)
     "fp8": ("fp8", "fp8"),
     "nvfp4": ("nvfp4", "nvfp4"),
     "fp8-block": ("fp8_block", "bf16"),  # DeepSeek's checkpoint formats (BF16 LM head)
+    "bf16": ("bf16", "bf16"),  # what XLA reads at copy bandwidth (the tensor-parallel section)
 }
 HEADS = ("dense", "moe", "deepseek")
 DEFAULT_HEADS = ("dense", "moe")  # deepseek's 11.5 GB of experts runs when named
@@ -101,6 +116,10 @@ DEFAULT_PRECISIONS = ("nvfp4", "bf16-nvfp4head", "fp8")
 
 GPU_DEFAULTS = dict(ks="1,3,5", batches="1,8,64", context=4096, iters=20, warmup=3)
 SMOKE_DEFAULTS = dict(ks="2", batches="4", context=40, iters=3, warmup=1)
+# The tensor/expert-parallel section: its heads, (K, B) grid and mesh sizes.
+PARALLEL_HEADS = ("dense", "deepseek")
+PARALLEL_DEFAULTS = dict(ks="1,3", batches="1,8", sizes="1,2,4")
+SMOKE_PARALLEL_DEFAULTS = dict(ks="2", batches="4", sizes="1,2,4")
 
 # Fast XLA:CPU compiles for --smoke (the smoke run checks the script, not the speed).
 SMOKE_COMPILER_OPTIONS = {
@@ -569,6 +588,11 @@ class Bench:
         plan["kv_pool_bytes"] = {str(b): pool_bytes(pool_cfgs[(b, 1)], b) for b in a.batches}
         plan["kv_pool_10x_bytes_at_center_batch"] = pool_bytes(pool_cfgs[(bc, 10)], bc)
         self.emit(dict(plan, device_memory=device_memory(), init_s=init_s))
+        parallel = first_of_head and head_name in PARALLEL_HEADS
+        if a.parallel_only:
+            if parallel:
+                self.parallel_section(cfg, params, head, base)
+            return
 
         # Executables: propose (auto; xla at the baseline K), verify, the 10x pool.
         def eff(impl: str) -> str:
@@ -649,6 +673,8 @@ class Bench:
                 self.skip("two-GPU section", f"over the {a.budget_s:.0f} s budget")
             else:
                 self.two_gpu_section(cfg, head_cfg, params, head, pool_cfgs, base, jobs, kc)
+        if parallel:
+            self.parallel_section(cfg, params, head, base)
 
     def state_key(self, b: int) -> jax.Array:
         """The key of the KV rows of every B-sequence state: the same rows at any pool size."""
@@ -954,6 +980,149 @@ class Bench:
             self.emit(rec)
         del params2, head2
 
+    # -- tensor / expert parallel ---------------------------------------------------------------
+
+    def parallel_section(self, cfg, params, head, base) -> None:
+        """Propose with the drafter sharded over 1, 2, 4 devices (``drafter.shard_drafter``):
+        attention and FFN tensor-parallel, the MoE's experts split over the devices
+        (``split="experts"``) or each expert's width (``"width"``), the vocab-parallel LM head,
+        the KV pool by KV head (MLA: replicated). Every size runs ``implementation="xla"``:
+        jit propagates the shardings through XLA's own ops, while a Pallas kernel is a custom
+        call it would feed whole (gathered) operands. Per point: the speed-up over one device,
+        the per-device bytes (each leaf's shard, the experts B rows touch split n ways, the KV
+        rows a device holds) over the copy bandwidth, and whether the drafts match."""
+        a = self.a
+        if jax.device_count() < 2:
+            self.meta["notes"].append("tensor-parallel section not run: one device")
+            return
+        if a.skip_parallel:
+            self.meta["notes"].append("tensor-parallel section not run: --skip-parallel")
+            return
+        if self.over_budget():
+            self.skip(f"tensor-parallel {base['head']}", f"over the {a.budget_s:.0f} s budget")
+            return
+        sizes = sorted({1, *(n for n in a.tp_sizes if n <= jax.device_count())})
+        splits = ("experts", "width") if cfg.ffn is FfnKind.MOE else ("tp",)
+        points = [(k, b) for k in a.parallel_ks for b in a.parallel_batches]
+        pool = functools.partial(
+            drafter.pool_config,
+            cfg,
+            precision=pool_precision(base["drafter_precision"]),
+            max_seq_len=a.context + max(a.parallel_ks) + 1,
+        )
+        pool_cfgs = {b: pool(max_seqs=b) for b in a.parallel_batches}
+        kv_dtype = pool_cfgs[a.parallel_batches[0]].kv_dtype
+        opts = SMOKE_COMPILER_OPTIONS if a.smoke else None
+        # The meshes the head splits over: whole heads and experts per device.
+        meshes = [(1, None, None, None)]
+        for split in splits:
+            expert_axis = None if split == "width" else "tp"
+            for n in sizes[1:]:
+                mesh = jax.make_mesh(
+                    (n,), ("tp",), devices=jax.devices()[:n], axis_types=(AxisType.Auto,)
+                )
+                try:
+                    shardings = drafter.drafter_shardings(
+                        params, head, None, mesh, cfg=cfg, expert_axis=expert_axis
+                    )
+                except ValueError as e:
+                    self.meta["notes"].append(f"{base['head']} not sharded {n} ways: {e}")
+                    continue
+                meshes.append((n, split, mesh, shardings))
+        if len(meshes) == 1:
+            return
+        one: dict[tuple, dict] = {}  # (K, B) -> the one-device record
+        for n, split, mesh, shardings in meshes:
+            if self.over_budget():
+                self.skip(f"tensor-parallel {base['head']} n={n}", "over the budget")
+                continue
+            expert_axis = None if split == "width" else "tp"
+            p, h = params, head
+            if mesh is not None:
+                p, h, _ = drafter.shard_drafter(
+                    params, head, None, mesh, cfg=cfg, expert_axis=expert_axis
+                )
+            jobs = {}
+            for k, b in points:
+                fill = functools.partial(
+                    filled_state, pool_cfg=pool_cfgs[b], num_seqs=b, context=a.context
+                )
+                st = jax.eval_shape(fill, self.key)
+                pr = jax.eval_shape(
+                    functools.partial(make_pairs, cfg=cfg, k=k, batch=b, context=a.context),
+                    self.key,
+                )
+                if mesh is not None:
+                    st_sh = drafter.drafter_shardings(
+                        params, head, st, mesh, cfg=cfg, expert_axis=expert_axis
+                    )[2]
+                    st = jax.tree.map(_with_sharding, st, st_sh)
+                    pr = jax.tree.map(
+                        lambda x, m=mesh: _with_sharding(x, NamedSharding(m, P())), pr
+                    )
+                args = (*jax.tree.map(_abstract, (p, h)), st, pr)
+                jobs[(k, b)] = Job(key=(n, split, k, b), fn=propose_fn(cfg, k, "xla"), args=args)
+            compile_jobs(
+                list(jobs.values()), workers=a.compile_workers, options=opts,
+                desc=f"compile {base['head']} tp={n} {split or ''}",
+            )  # fmt: skip
+            for (k, b), job in jobs.items():
+                rec = dict(kind="parallel_propose", **base, k=k, batch=b, devices=n)
+                rec.update(split=split, impl="xla", iters=a.iters)
+                if job.compiled is None:
+                    self.emit(dict(rec, error=job.error))
+                    continue
+                try:
+                    self.parallel_point(rec, cfg, p, h, job, shardings, pool_cfgs[b], kv_dtype)
+                except Exception as e:
+                    rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+                if n == 1:
+                    one[(k, b)] = rec
+                elif (k, b) in one and "time_us" in rec and "time_us" in one[(k, b)]:
+                    base1 = one[(k, b)]
+                    rec["one_device_us"] = base1["time_us"]
+                    rec["speedup"] = base1["time_us"] / rec["time_us"]
+                    rec["pipelined_speedup"] = base1["pipelined_us"] / rec["pipelined_us"]
+                    rec["draft_agreement"] = float(
+                        np.mean(np.asarray(base1["drafts"]) == np.asarray(rec["drafts"]))
+                    )
+                self.emit(rec)
+            del p, h, jobs
+            gc.collect()
+
+    def parallel_point(self, rec, cfg, params, head, job, shardings, pool_cfg, kv_dtype) -> None:
+        """Times one (devices, split, K, B) point into ``rec``."""
+        a, k, b = self.a, rec["k"], rec["batch"]
+
+        def placed(tree, abstract):  # where the executable takes it (one device: as made)
+            if shardings is None:
+                return tree
+            return jax.device_put(tree, jax.tree.map(lambda x: x.sharding, abstract))
+
+        state = placed(self.seeded_state(pool_cfg, b), job.args[2])
+        pairs = placed(self.seeded_pairs(cfg, k, b), job.args[3])
+        res = self.rounds(job.compiled, None, params, head, state, pairs, None)
+        fresh = placed(self.seeded_state(pool_cfg, b), job.args[2])
+        rec["pipelined_us"] = time_pipelined(
+            job.compiled, params, head, fresh, pairs, smoke=a.smoke
+        )
+        del fresh, state
+        d = parallel_bytes(
+            params, head, cfg, shardings, k=k, batch=b, kv_dtype=kv_dtype, context=a.context
+        )
+        roof = d["total"] / (self.bw_gbps * 1e3)
+        rec.update({f: res["propose"][f] for f in ("time_us", "p10_us", "p90_us")})
+        rec.update(per_draft_us=rec["time_us"] / k, per_device_bytes=d["total"])
+        rec.update(per_device_bytes_parts=d, per_device_roofline_us=roof)
+        rec.update(roofline_ratio=rec["time_us"] / roof)
+        rec["pipelined_roofline_ratio"] = rec["pipelined_us"] / roof
+        rec.update(context_kept=res["context_kept"], kv_errors=res["kv_errors"])
+        rec["drafts"] = res["tokens"].tolist()
+        text = job.compiled.as_text()
+        rec["hlo"] = scan_hlo(text)
+        rec["collectives"] = dict(Counter(_COLLECTIVE.findall(text)))
+        rec["collective_bytes"] = collective_bytes(text)
+
 
 # ---------------------------------------------------------------------------------------------
 # Jitted step wrappers and the timing loop.
@@ -998,6 +1167,87 @@ def sharded_propose_fn(cfg, k: int, mesh):
 def _compile(fn, args, options):
     lowered = fn.lower(*args)
     return lowered.compile(compiler_options=options) if options else lowered.compile()
+
+
+def _abstract(x):
+    """An array's shape, dtype and placement, for lowering."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def _with_sharding(x, sharding):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+_COLLECTIVE_OPS = "all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
+_COLLECTIVE = re.compile(rf"\s({_COLLECTIVE_OPS})\(")
+_COLLECTIVE_TYPES = re.compile(rf"=\s*(.*?)\s(?:{_COLLECTIVE_OPS})\(")
+_ARRAY_TYPE = re.compile(r"\b([a-z]+)(\d*)[a-z0-9]*\[([\d,]*)\]")
+
+
+def collective_bytes(text: str) -> int:
+    """Bytes the compiled program's collectives return, summed over their ops (each op once,
+    however often it runs): a weight gathered or all-reduced shows up as megabytes where the
+    activations' reductions are kilobytes."""
+    total = 0
+    for types in _COLLECTIVE_TYPES.findall(text):
+        for kind, bits, dims in _ARRAY_TYPE.findall(types):
+            width = 1 if kind == "pred" or not bits else max(1, int(bits) // 8)
+            total += width * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def _local_fraction(tree, shardings) -> float:
+    """The share of ``tree``'s bytes one device holds under ``shardings`` (same structure)."""
+    leaves = jax.tree.leaves(tree)
+    if shardings is None or not leaves:
+        return 1.0
+    shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    total = sum(x.nbytes for x in leaves)
+    local = sum(
+        x.nbytes * math.prod(s.shard_shape(x.shape)) / max(1, math.prod(x.shape))
+        for x, s in zip(leaves, shs, strict=True)
+    )
+    return local / total
+
+
+def parallel_bytes(params, head, cfg, shardings, *, k, batch, kv_dtype, context) -> dict:
+    """The least one device of a sharded propose must read (the bytes model of
+    ``drafter_bytes_per_draft``, each part scaled by the share of it a device holds;
+    ``shardings`` from ``drafter.drafter_shardings``, None on one device): the experts B rows
+    touch are split n ways whether the experts or their widths are; the KV rows by KV head
+    (MLA's latent rows are replicated, read whole on every device)."""
+    d = drafter_bytes_per_draft(params, cfg, batch)
+    p_sh, h_sh = (None, None) if shardings is None else shardings[:2]
+    layer, lsh = params.layer, None if p_sh is None else p_sh.layer
+
+    def frac(attr, sub=None):
+        tree = getattr(layer, attr) if sub is None else getattr(getattr(layer, attr), sub)
+        if lsh is None:
+            return 1.0
+        sh = getattr(lsh, attr) if sub is None else getattr(getattr(lsh, attr), sub)
+        return _local_fraction(tree, sh)
+
+    scale = dict(attention=frac("attention"))
+    if cfg.ffn is FfnKind.DENSE:
+        scale["ffn"] = frac("ffn")
+    else:
+        scale.update(experts=frac("ffn", "experts"), router=frac("ffn", "router"))
+        if layer.ffn.shared_expert is not None:
+            scale["shared_expert"] = frac("ffn", "shared_expert")
+    parts = {
+        key: round(v * scale.get(key, 1.0))
+        for key, v in d.items()
+        if key not in ("total", "experts_touched")
+    }
+    head_share = 1.0 if h_sh is None else _local_fraction(head.weight, h_sh.weight)
+    parts["lm_head"] = round(head.weight.nbytes * head_share)
+    n = 1 if shardings is None else max(s.num_devices for s in jax.tree.leaves(
+        p_sh, is_leaf=lambda x: isinstance(x, NamedSharding)))  # fmt: skip
+    kv = kv_attended_bytes(cfg, kv_dtype, k=k, batch=batch, context=context)
+    parts["kv"] = kv if cfg.mla is not None else kv // n
+    per_draft = sum(v for key, v in parts.items() if key != "kv")
+    parts["total"] = int(k * per_draft + parts["kv"])
+    return parts
 
 
 def time_rounds(
@@ -1172,6 +1422,15 @@ def table(records: list[dict]) -> str:
                 f"2 GPUs {r['two_gpu_us']:.0f} µs, 1 GPU {_fmt(r.get('one_gpu_us'))} µs "
                 f"(x{_fmt(r.get('speedup'), '.2f')})"
             )
+        elif kind == "parallel_propose" and "time_us" in r:
+            split = "" if r["split"] in (None, "tp") else f" ({r['split']} split)"
+            extra.append(
+                f"tensor-parallel propose {r['head']}/{r['precision']} K={r['k']} B={r['batch']} "
+                f"on {r['devices']}{split}: {r['time_us']:.0f} µs (x{_fmt(r.get('speedup'), '.2f')}"
+                f" over 1), {r['roofline_ratio']:.2f}x its per-device roofline, back to back "
+                f"{r['pipelined_roofline_ratio']:.2f}x; drafts agree "
+                f"{_fmt(r.get('draft_agreement'), '.2f')}"
+            )
     hlo = [r for r in rows if "hlo" in r]
     if hlo:
         clean = sum(r["hlo"]["host_transfer_free"] for r in hlo)
@@ -1192,7 +1451,8 @@ def plot(records: list[dict], path: Path, *, k: int, context: int) -> None:
     if not heads:
         return
     fig, axes = plt.subplots(1, len(heads), figsize=(6.0 * len(heads) + 2.6, 4.8), squeeze=False)
-    colors = dict(zip(PRECISIONS, ("tab:blue", "tab:orange", "tab:green", "tab:red"), strict=True))
+    palette = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+    colors = dict(zip(PRECISIONS, palette, strict=True))
     series = (  # (field, style, label suffix, alpha)
         ("per_draft_us", "o-", "", 1.0),
         ("roofline_per_draft_us", "_--", " roofline", 1.0),
@@ -1293,6 +1553,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--skip-torch", action="store_true", help="no PyTorch baseline")
     add("--torch-compile", action="store_true", help="also time torch.compile")
     add("--skip-two-gpu", action="store_true", help="no two-device section")
+    add("--skip-parallel", action="store_true", help="no tensor/expert-parallel section")
+    add("--parallel-only", action="store_true",
+        help="run only the tensor/expert-parallel section (heads dense and deepseek)")  # fmt: skip
+    add("--tp-sizes", type=_ints, default=None,
+        help="devices of the tensor-parallel section (default 1,2,4; those present)")  # fmt: skip
+    add("--parallel-ks", type=_ints, default=None, help="its drafts K (default 1,3)")
+    add("--parallel-batches", type=_ints, default=None, help="its batches B (default 1,8)")
     add("--merge", type=Path, nargs="+", default=None, metavar="JSON",
         help="run nothing: print the table of these result files together and write their "
         "plot (--plot, default the first file's .png)")  # fmt: skip
@@ -1301,6 +1568,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = SMOKE_DEFAULTS if args.smoke else GPU_DEFAULTS
     args.ks = args.ks or _ints(defaults["ks"])
     args.batches = args.batches or _ints(defaults["batches"])
+    pdefaults = SMOKE_PARALLEL_DEFAULTS if args.smoke else PARALLEL_DEFAULTS
+    args.tp_sizes = args.tp_sizes or _ints(pdefaults["sizes"])
+    args.parallel_ks = args.parallel_ks or _ints(pdefaults["ks"])
+    args.parallel_batches = args.parallel_batches or _ints(pdefaults["batches"])
     for name in ("context", "iters", "warmup"):
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])

@@ -180,6 +180,74 @@ def test_smoke_run(tmp_path):
             assert math.isfinite(r["speedup"])
             # Each device holds half of the one-device batch (same rows, same pairs).
             assert r["draft_agreement"] == 1.0
+        # The tensor-parallel section: the tiny dense head has 2 KV heads, so 1 and 2 devices.
+        par = {r["devices"]: r for r in records if r["kind"] == "parallel_propose"}
+        assert set(par) == {1, 2}, par.keys()
+        assert any("dense not sharded 4 ways: cfg.num_key_value_heads=2" in n for n in run["notes"])
+        _check_parallel(par[1], par[2], copy["gbps"])
+        # TP splits everything but fc, the norms and the embedding rows: the LM head and the KV
+        # rows halve.
+        one, two = par[1]["per_device_bytes_parts"], par[2]["per_device_bytes_parts"]
+        # (the NVFP4 head's one F32 global scale is on every device)
+        assert two["lm_head"] == (one["lm_head"] - 4) / 2 + 4 and two["kv"] * 2 == one["kv"]
+        assert two["ffn"] * 2 == one["ffn"] and two["fc"] == one["fc"]
+
+
+def _check_parallel(one: dict, r: dict, gbps: float) -> None:
+    """A sharded point against the one-device point of the same (head, K, B)."""
+    for rec in (one, r):
+        assert not rec.get("error"), rec.get("error")
+        assert rec["time_us"] > 0 and rec["pipelined_us"] > 0 and rec["impl"] == "xla"
+        assert rec["context_kept"] and rec["kv_errors"] == 0 and rec["hlo"]["host_transfer_free"]
+        parts = rec["per_device_bytes_parts"]
+        per_draft = sum(v for key, v in parts.items() if key not in ("kv", "total"))
+        assert rec["per_device_bytes"] == parts["total"] == rec["k"] * per_draft + parts["kv"]
+        roof = rec["per_device_bytes"] / (gbps * 1e3)
+        assert rec["roofline_ratio"] == pytest.approx(rec["time_us"] / roof)
+    assert not one["collectives"] and r["collectives"].get("all-reduce")
+    # The activations cross the devices, never a weight: all of a program's collectives return
+    # less than the expert / FFN weights one device reads.
+    weights = r["per_device_bytes_parts"].get("experts") or r["per_device_bytes_parts"]["ffn"]
+    assert 0 < r["collective_bytes"] < weights
+    assert r["per_device_bytes"] < one["per_device_bytes"]
+    assert r["speedup"] == pytest.approx(one["time_us"] / r["time_us"])
+    assert r["draft_agreement"] == 1.0  # fixed seeds: the same drafts on any mesh
+
+
+def test_parallel_section_runs_deepseek_sharded(tmp_path):
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices (tests/conftest.py forces 8 host devices)")
+    out = tmp_path / "propose.json"
+    argv = ["--smoke", "--json", str(out), "--heads", "deepseek", "--precisions", "bf16"]
+    assert bp.main([*argv, "--skip-torch", "--parallel-only"]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert not [r for r in records if r["kind"] == "skipped"]
+    par = {(r["devices"], r["split"]): r for r in records if r["kind"] == "parallel_propose"}
+    assert set(par) == {(1, None), (2, "experts"), (4, "experts"), (2, "width"), (4, "width")}
+    gbps = json.loads(out.read_text())["run"]["copy_gbps"]
+    for (n, _), r in par.items():
+        if n > 1:
+            _check_parallel(par[(1, None)], r, gbps)
+            parts, one = r["per_device_bytes_parts"], par[(1, None)]["per_device_bytes_parts"]
+            # MLA's latent rows are replicated: every device reads all of them.
+            assert parts["kv"] == one["kv"] and parts["experts"] * n == one["experts"]
+    # Experts split over devices: the router splits with them; split by width, it replicates.
+    assert (
+        par[(4, "experts")]["per_device_bytes_parts"]["router"] * 4
+        == (par[(1, None)]["per_device_bytes_parts"]["router"])
+    )
+    assert (
+        par[(4, "width")]["per_device_bytes_parts"]["router"]
+        == (par[(1, None)]["per_device_bytes_parts"]["router"])
+    )
+
+
+def test_parallel_section_skips_on_one_device(monkeypatch):
+    bench = bp.Bench(bp.parse_args(["--smoke", "--json", "/dev/null"]))
+    monkeypatch.setattr(bp.jax, "device_count", lambda: 1)
+    bench.parallel_section(bp.head_config("dense", smoke=True), None, None, dict(head="dense"))
+    assert bench.meta["notes"] == ["tensor-parallel section not run: one device"]
+    assert not bench.records
 
 
 def test_deepseek_shapes_and_latent_rows():

@@ -12,6 +12,7 @@ more MTP modules, after-verify trimming and the attention-free prefill.
 """
 
 from mtpjax.drafter._forward import DrafterOutput, drafter_forward, kv_rows
+from mtpjax.drafter._parallel import drafter_shardings, parallel_rules, shard_drafter
 from mtpjax.drafter._params import (
     DrafterModules,
     DrafterParams,
@@ -59,6 +60,7 @@ __all__ = [
     "check_prefill_support",
     "check_runnable",
     "drafter_forward",
+    "drafter_shardings",
     "effective_num_drafts",
     "free",
     "from_named",
@@ -71,6 +73,7 @@ __all__ = [
     "module_prefix",
     "module_trims",
     "paged_attention",
+    "parallel_rules",
     "partition_specs",
     "pool_config",
     "prefill",
@@ -80,6 +83,7 @@ __all__ = [
     "raise_on_state_error",
     "rows_to_trim",
     "rows_written",
+    "shard_drafter",
     "supports_prefill",
     "unpack_bitmask",
 ]

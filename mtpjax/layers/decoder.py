@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mtpjax.layers.attention import AttentionParams, causal_self_attention
+from mtpjax.layers.expert_parallel import ExpertParallelMoeParams, expert_parallel_mix
 from mtpjax.layers.ffn import DenseFfnParams, MoeFfnParams, dense_ffn, moe_ffn
 from mtpjax.layers.mla import MlaParams, mla_causal_attention
 from mtpjax.layers.norms import rms_norm
@@ -64,6 +65,8 @@ def apply_ffn(
         if cfg.moe is None:
             raise ValueError("MoE FFN weights were given but the config has no MoeConfig (moe)")
         moe = cfg.moe
+        # Experts split over devices (mtpjax.drafter.shard_drafter) mix under shard_map.
+        mix = expert_parallel_mix(ffn) if isinstance(ffn, ExpertParallelMoeParams) else None
         return moe_ffn(
             ffn,
             y,
@@ -74,6 +77,7 @@ def apply_ffn(
             topk_group=moe.topk_group,
             routed_scaling_factor=moe.routed_scaling_factor,
             implementation=implementation,
+            mix=mix,
         )
     if isinstance(ffn, DenseFfnParams):
         return dense_ffn(ffn, y, implementation=implementation)

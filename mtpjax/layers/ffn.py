@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +107,34 @@ def route(
     return weights, ids
 
 
+def mix_experts(
+    experts: DenseFfnParams,
+    y: jax.Array,
+    weights: jax.Array,
+    ids: jax.Array,
+    *,
+    implementation="auto",
+) -> jax.Array:
+    """``sum_k weights[t, k] * expert_{ids[t, k]}(y[t])`` over experts stacked [E, ...]: y [T, H],
+    weights f32[T, k], ids int32[T, k] in [0, E) -> f32[T, H].
+
+    With few rows (decode: T*k <= E) only the chosen experts' weights are gathered and read;
+    otherwise every expert runs on every row and the routing weights select (prefill, training).
+    """
+    (T, H), top_k = y.shape, ids.shape[-1]
+    num_experts = jax.tree.leaves(experts)[0].shape[0]
+    expert = functools.partial(dense_ffn, implementation=implementation)
+    if T * top_k <= num_experts:
+        chosen = jax.tree.map(lambda a: a[ids.reshape(-1)], experts)
+        rows = jnp.repeat(y, top_k, axis=0)
+        out = jax.vmap(lambda w, x: expert(w, x[None])[0])(chosen, rows).reshape(T, top_k, H)
+        return jnp.sum(weights[..., None] * out, axis=1)
+    every = jax.vmap(expert, in_axes=(0, None))(experts, y)  # [E, T, H]
+    dense_w = jnp.zeros((T, num_experts), jnp.float32)
+    dense_w = dense_w.at[jnp.arange(T)[:, None], ids].add(weights)
+    return jnp.einsum("te,eth->th", dense_w, every)
+
+
 def moe_ffn(
     params: MoeFfnParams,
     y: jax.Array,
@@ -117,16 +146,15 @@ def moe_ffn(
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
     implementation="auto",
+    mix: Callable[..., jax.Array] | None = None,
 ) -> jax.Array:
     """sum_k w_k * expert_k(y) + [sigmoid(shared_gate(y))] * shared(y): [..., H] -> f32[..., H].
 
-    Routing as ``route`` (with ``params.score_correction_bias``). With few rows (decode:
-    T*k <= E) only the chosen experts' weights are gathered and read; otherwise every expert
-    runs on every row and the routing weights select (prefill, training).
+    Routing as ``route`` (with ``params.score_correction_bias``), the experts as ``mix_experts``
+    or ``mix`` (same signature; the expert-parallel drafter's runs each device's experts).
     """
     lead, H = y.shape[:-1], y.shape[-1]
     y2 = y.reshape(-1, H)
-    T = y2.shape[0]
     logits = linear(y2, params.router, out_dtype=jnp.float32, implementation=implementation)
     weights, ids = route(
         logits,
@@ -139,16 +167,8 @@ def moe_ffn(
         routed_scaling_factor=routed_scaling_factor,
     )
     expert = functools.partial(dense_ffn, implementation=implementation)
-    if T * top_k <= params.num_experts:
-        chosen = jax.tree.map(lambda a: a[ids.reshape(-1)], params.experts)
-        rows = jnp.repeat(y2, top_k, axis=0)
-        out = jax.vmap(lambda w, x: expert(w, x[None])[0])(chosen, rows).reshape(T, top_k, H)
-        routed = jnp.sum(weights[..., None] * out, axis=1)
-    else:
-        every = jax.vmap(expert, in_axes=(0, None))(params.experts, y2)  # [E, T, H]
-        dense_w = jnp.zeros((T, params.num_experts), jnp.float32)
-        dense_w = dense_w.at[jnp.arange(T)[:, None], ids].add(weights)
-        routed = jnp.einsum("te,eth->th", dense_w, every)
+    mix = mix_experts if mix is None else mix
+    routed = mix(params.experts, y2, weights, ids, implementation=implementation)
     if params.shared_expert is not None:
         shared = expert(params.shared_expert, y2)
         if params.shared_expert_gate is not None:
