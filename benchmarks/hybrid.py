@@ -539,7 +539,8 @@ def categorize(stack: list[tuple[str, str, int]]) -> tuple[str, tuple[str, str, 
         file, qualname, line = frame
         base, fn = os.path.basename(file), qualname.rpartition(".")[2]
         if base == "_delta.py" and fn not in ("causal_conv", "l2_normalize"):
-            return ("delta rule (row body)" if fn == "body" else "delta rule (scan in/out)"), frame
+            row = fn in ("body", "_delta_step")  # the per-position step the scans run
+            return ("delta rule (row body)" if row else "delta rule (scan in/out)"), frame
         if base == "_model.py" and ".at[" in linecache.getline(file, line):
             text = linecache.getline(file, line)
             return ("kv writes" if "st.k" in text or "st.v" in text else "gdn state writes"), frame
