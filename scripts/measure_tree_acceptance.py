@@ -35,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from tokenizers import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from measure_acceptance import heldout_snippets, load_drafters
-
 from mtpjax import demo, hybrid
 from mtpjax import generation as gen
+from mtpjax.checkpoint import load_drafter
 from mtpjax.draft_tree import TreeShape
+from mtpjax.pretrained import converted_drafter
+from mtpjax.train import heldout_prompts
 
 DEFAULT_TREES = "2,1,1;2,2,1;3,1,1;2,2,2"
 
@@ -70,7 +70,7 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     tokenizer = Tokenizer.from_file(str(demo.ASSET_DIR / "tokenizer.json"))
-    snippets, files = heldout_snippets(
+    snippets, files = heldout_prompts(
         tokenizer,
         prompt_len=args.prompt_len,
         new_tokens=args.new_tokens,
@@ -92,9 +92,11 @@ def main(argv=None) -> int:
     baselines: dict[int, Any] = {}
     ok = True
     with tempfile.TemporaryDirectory(prefix="mtpjax-tree-") as scratch:
-        dcfg, params, drafter_head = load_drafters([args.precision], scratch=Path(scratch))[
-            args.precision
-        ]
+        directory, _ = converted_drafter(
+            demo.ASSET_DIR, precision=args.precision, cache_dir=scratch, progress=False
+        )
+        dcfg, ckpt = load_drafter(directory)
+        params, drafter_head = ckpt.modules[0], ckpt.head
         for kind, branching, rows in runs:
             model = hybrid.target_model(tcfg, target, head, max_step=rows)
             if rows not in baselines:
