@@ -444,6 +444,25 @@ def _start(
     return dataclasses.replace(loop, state=state, pairs=pairs, metrics=metrics_lib.empty(W - 1))
 
 
+def _advance(c: _Loop, result, hidden, cache, state, key, active, eos_id) -> _Loop:
+    """The loop after a verified round: ``result``'s committed tokens [B, W] (-1 padding) and
+    their target ``hidden`` [B, W, H] become the next window, the output and the position."""
+    count = result.num_output  # 0 for finished sequences
+    new = jnp.maximum(result.output_tokens, 0)  # -1 padding -> a valid id
+    return _Loop(
+        cache=cache,
+        state=state,
+        pairs=Pairs(tokens=new, hidden=hidden, count=count, start=c.position),
+        position=c.position + count,
+        last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
+        out=_commit(c.out, new, count, eos_id),
+        metrics=result.metrics,
+        key=key,
+        steps=c.steps + 1,
+        active_steps=c.active_steps + active.astype(jnp.int32),
+    )
+
+
 def _spec_round(
     c: _Loop,
     *,
@@ -506,20 +525,7 @@ def _spec_round(
         implementation=implementation,
         **proposed,
     )
-    count = result.num_output  # 0 for finished sequences
-    new = jnp.maximum(result.output_tokens, 0)  # [B, W], -1 padding -> a valid id
-    return _Loop(
-        cache=cache,
-        state=state,
-        pairs=Pairs(tokens=new, hidden=verify_hidden, count=count, start=c.position),
-        position=c.position + count,
-        last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
-        out=_commit(c.out, new, count, eos_id),
-        metrics=result.metrics,
-        key=key,
-        steps=c.steps + 1,
-        active_steps=c.active_steps + active.astype(jnp.int32),
-    )
+    return _advance(c, result, verify_hidden, cache, state, key, active, eos_id)
 
 
 def _tree_round(
@@ -570,21 +576,8 @@ def _tree_round(
         implementation=implementation,
     )
     cache = target.commit_path(target.params, cache, c.position, result.path)
-    count = result.num_output  # 0 for finished sequences
-    new = jnp.maximum(result.output_tokens, 0)  # [B, D+1]
     path_hidden = jnp.take_along_axis(tree_hidden, result.path[..., None], axis=1)
-    return _Loop(
-        cache=cache,
-        state=state,
-        pairs=Pairs(tokens=new, hidden=path_hidden, count=count, start=c.position),
-        position=c.position + count,
-        last=jnp.where(count > 0, _take_rows(new, count - 1), c.last),
-        out=_commit(c.out, new, count, eos_id),
-        metrics=result.metrics,
-        key=key,
-        steps=c.steps + 1,
-        active_steps=c.active_steps + active.astype(jnp.int32),
-    )
+    return _advance(c, result, path_hidden, cache, state, key, active, eos_id)
 
 
 @functools.partial(
