@@ -39,14 +39,19 @@ def parse_point(text: str) -> tuple[str, str, int, int, str]:
     return head, prec, int(k), int(b), what
 
 
-def device_events(trace_dir: Path) -> list[dict]:
-    """Complete ('X') events of GPU processes in the Perfetto trace under ``trace_dir``."""
+def load_trace(trace_dir: Path) -> list[dict]:
+    """The events of the newest Perfetto trace under ``trace_dir``."""
     files = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not files:
         raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
     with gzip.open(files[-1], "rt") as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def device_events(trace_dir: Path) -> list[dict]:
+    """Complete ('X') events of GPU processes in the Perfetto trace under ``trace_dir``."""
+    events = load_trace(trace_dir)
     names = {
         e["pid"]: e.get("args", {}).get("name", "")
         for e in events
