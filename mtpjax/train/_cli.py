@@ -4,9 +4,16 @@ one, with held-out acceptance before and after.
 
     mtpjax finetune --out runs/ft                        # the shipped pair, the stdlib split
     mtpjax finetune --model DIR --prompts corpus/ --out runs/ft --steps 2000 --batch 32
+    mtpjax finetune --out runs/v --init-head random --num-steps 1 --steps 3000 --lr 1e-3
+    mtpjax finetune --model runs/v/hf --out runs/v3 --num-steps 3   # that head, 3 steps
 
 1. The target (``mtpjax.hybrid``) and the MTP head, converted at BF16 (``OUT/source-bf16``:
-   the head before fine-tuning, kept so the comparison can be reproduced).
+   the head before fine-tuning, kept so the comparison can be reproduced). Training starts from
+   that head, or with ``--init-head random`` from a fresh one of its shape (``drafter.init`` at
+   the drafter config, keyed by ``--seed``; the frozen embedding and LM head are the
+   checkpoint's either way). "Before" is the checkpoint's head in both cases, so a vanilla
+   one-step head (``--init-head random --num-steps 1``) is the "before" of a second run that
+   fine-tunes it (``--model RUN1/hf``: ``OUT/hf`` is a complete source directory).
 2. Self-distilled data (``OUT/selfdistill.npz``, made once): ``--num-prompts`` windows of
    ``--prompt-len`` tokens from ``--prompts`` (default: the standard-library files outside the
    pair's ``heldout_files.txt``, the pair's training split), each continued by the target for
@@ -25,7 +32,11 @@ one, with held-out acceptance before and after.
    --model OUT/hf``), ``OUT/drafter-bf16`` (the converter's format: ``mtpjax.load_drafter``),
    ``OUT/loss_curve.png``, ``OUT/train_curve.json``, and ``OUT/finetune.json``: the settings,
    timings and the held-out greedy acceptance (k = ``--eval-ks``) of the head before and after,
-   measured by one function (``mtpjax.train._evaluate.acceptance``) on the held-out prompts.
+   measured by one function (``mtpjax.train._evaluate.acceptance``) on the held-out prompts, at
+   each of ``--eval-precisions`` (the converter's names; default ``bf16``): both heads are
+   converted at it, embedding and LM head too (``OUT/source-<p>``, ``OUT/drafter-<p>``), and
+   ``finetune.json``'s ``eval`` maps each precision to its ``before`` / ``after`` records (its
+   top-level ``before`` / ``after`` are the BF16 ones when ``bf16`` is evaluated).
 
 Memory (one H200, 141 GiB), a Qwen3.5-27B-sized head (hidden 5120, 24 / 4 heads of 256, FFN
 17408): 424.7M trainable parameters (fc 52.4M, attention 104.9M, FFN 267.4M, norms); F32 masters
@@ -40,6 +51,7 @@ so B x N ~ 8k tokens per step fits beside the target.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -50,8 +62,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpjax import demo, hybrid
-from mtpjax.checkpoint import MANIFEST_FILE, convert, load_drafter
+from mtpjax import demo, drafter, hybrid
+from mtpjax.checkpoint import (
+    MANIFEST_FILE,
+    PRECISIONS,
+    convert,
+    load_drafter,
+    parse_target_precision,
+)
 from mtpjax.config import HiddenContract
 from mtpjax.train._data import heldout_prompts, self_distill, training_files, training_prompts
 from mtpjax.train._evaluate import acceptance
@@ -64,6 +82,18 @@ from mtpjax.train._target import hybrid_batch
 __all__ = ["main", "parse_args"]
 
 INTERRUPTED = 3  # exit status of a run ended by --stop-after (resume it with the same command)
+# The converter's precisions but ``keep`` (a fine-tuned head is stored BF16: ``keep`` is ``bf16``).
+EVAL_PRECISIONS = tuple(p for p in PRECISIONS if parse_target_precision(p) is not None)
+_INIT_STREAM = 1 << 20  # folded into the seed's key for --init-head random (apart from the data's)
+# The modules a run imports only where it first needs them (module: its pip package), looked
+# for before the run starts so that a missing one does not end it after the data or training.
+_DEFERRED_MODULES = {
+    "orbax": "orbax-checkpoint",
+    "safetensors": "safetensors",
+    "tokenizers": "tokenizers",
+    "tqdm": "tqdm",
+    "matplotlib": "matplotlib",
+}
 # The settings a resumed run must share with the run that wrote its checkpoints.
 _RUN_KEYS = (
     "model",
@@ -80,6 +110,7 @@ _RUN_KEYS = (
     "kl_weight",
     "temperature",
     "hidden_contract",
+    "init_head",
     "steps",
     "batch",
     "lr",
@@ -105,6 +136,21 @@ def _ints(s: str) -> tuple[int, ...]:
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {s!r}")
     return out
+
+
+def _precisions(s: str) -> tuple[str, ...]:
+    """``bf16,fp8,...`` -> the converter's names, each once, in the order given."""
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    try:
+        formats = [parse_target_precision(n) for n in names]
+    except ValueError:
+        formats = [None]
+    if not names or None in formats:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of {', '.join(EVAL_PRECISIONS)} (fp4 is an alias "
+            f"of nvfp4), got {s!r}"
+        )
+    return tuple(dict.fromkeys(f.value for f in formats))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,6 +182,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=[c.value for c in HiddenContract],
         default=HiddenContract.POST_NORM.value,
     )
+    g.add_argument(
+        "--init-head",
+        choices=("checkpoint", "random"),
+        default="checkpoint",
+        help="start from the checkpoint's head, or from a fresh random one of its shape (seeded "
+        "by --seed); the frozen embedding and LM head are the checkpoint's either way",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=300)
     g.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -152,6 +205,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-snippets", type=int, default=None, help="held-out prompts (all)")
     g.add_argument("--eval-prompt-len", type=int, default=64)
     g.add_argument("--eval-new-tokens", type=int, default=128)
+    g.add_argument(
+        "--eval-precisions",
+        type=_precisions,
+        default=("bf16",),
+        help="both heads converted at each and evaluated: a comma list of "
+        f"{','.join(EVAL_PRECISIONS)} (bf16)",
+    )
     g.add_argument("--no-eval", action="store_true", help="skip the acceptance evaluation")
 
 
@@ -296,15 +356,37 @@ def _plot(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _converted(model: Path, out: Path) -> Path:
-    """The source head converted at BF16 into ``out`` (once)."""
+def _cell(record: dict[str, Any]) -> str:
+    mal = record["mean_acceptance_length"]  # None when no round was measured
+    return ("-" if mal is None else f"{mal:.2f}") + ("" if record["identical"] else " (differs!)")
+
+
+def _table(evals: dict[str, dict[str, list[dict[str, Any]]]], ks: tuple[int, ...]) -> str:
+    """Markdown: a row per (precision, head), a column per k; a cell is the mean acceptance
+    length, flagged when the speculative output differed from greedy decoding."""
+    lines = [
+        "| head | precision | " + " | ".join(f"k={k}" for k in ks) + " |",
+        "|---|---|" + "---:|" * len(ks),
+    ]
+    for precision, by_head in evals.items():
+        for name, records in by_head.items():
+            lines.append(f"| {name} | {precision} | " + " | ".join(map(_cell, records)) + " |")
+    return "\n".join(lines)
+
+
+def _converted(model: Path, out: Path, precision: str = "bf16") -> Path:
+    """The source head converted at ``precision`` into ``out`` (once: the source is the run's)."""
     if not (out / MANIFEST_FILE).is_file():
-        convert(model, out, precision="bf16", force=True, progress=False)
+        convert(model, out, precision=precision, force=True, progress=False)
     return out
 
 
 def main(argv: list[str] | None = None, *, prog: str = "mtpjax finetune") -> int:
     args = parse_args(argv, prog=prog)
+    missing = [pkg for m, pkg in _DEFERRED_MODULES.items() if importlib.util.find_spec(m) is None]
+    if missing:
+        _log(f"{prog} needs {', '.join(missing)}: pip install {' '.join(missing)}")
+        return 2
     t0 = time.perf_counter()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -328,6 +410,9 @@ def main(argv: list[str] | None = None, *, prog: str = "mtpjax finetune") -> int
     target, head = hybrid.load(args.model, cfg=tcfg)
     dcfg, before = load_drafter(_converted(args.model, out / "source-bf16"))
     mtp, drafter_head = before.modules[0], before.head
+    if args.init_head == "random":  # the drafter's own init; the frozen LM head stays
+        key = jax.random.fold_in(jax.random.key(args.seed), _INIT_STREAM)
+        mtp = drafter.init(dcfg, key=key, precision="bf16")
     hcfg = dcfg.lm_head_config()
 
     # ---- data ----
@@ -382,9 +467,10 @@ def main(argv: list[str] | None = None, *, prog: str = "mtpjax finetune") -> int
             curve = [r for r in json.loads(curve_file.read_text()) if r["step"] < start]
         _log(f"resumed from the checkpoint at step {start}")
     start = int(state.step)
+    init = "a random init" if args.init_head == "random" else "the checkpoint's head"
     _log(
-        f"training {n_train / 1e6:.2f}M parameters of the MTP head (F32 masters, AdamW), "
-        f"frozen target / embedding / LM head; K = {args.num_steps} steps, weights "
+        f"training {n_train / 1e6:.2f}M parameters of the MTP head from {init} (F32 masters, "
+        f"AdamW), frozen target / embedding / LM head; K = {args.num_steps} steps, weights "
         f"{[round(w, 3) for w in loss_cfg.weights]}, {args.batch} x {sequences.shape[1]} tokens "
         f"per step, steps {start}..{args.steps} on {jax.devices()[0].device_kind}"
     )
@@ -495,7 +581,6 @@ def main(argv: list[str] | None = None, *, prog: str = "mtpjax finetune") -> int
         final=curve[-1] if curve else None,
     )
     if not args.no_eval:
-        _, after = load_drafter(out / "drafter-bf16")
         prompts, files = heldout_prompts(
             tokenizer,
             source=args.model,
@@ -504,39 +589,48 @@ def main(argv: list[str] | None = None, *, prog: str = "mtpjax finetune") -> int
             max_snippets=args.eval_snippets,
         )
         t = time.perf_counter()
-        evals = {}
-        for name, ckpt in (("before", before), ("after", after)):
-            evals[name] = acceptance(
-                tcfg,
-                target,
-                head,
-                dcfg,
-                ckpt.modules[0],
-                ckpt.head,
-                prompts,
-                ks=args.eval_ks,
-                new_tokens=args.eval_new_tokens,
-                hidden_contract=HiddenContract(args.hidden_contract),
+        evals: dict[str, dict[str, list[dict[str, Any]]]] = {}
+        for precision in args.eval_precisions:
+            after_dir = out / f"drafter-{precision}"
+            if precision != "bf16":  # OUT/drafter-bf16 was converted with OUT/hf
+                convert(out / "hf", after_dir, precision=precision, force=True, progress=False)
+            heads = (
+                ("before", _converted(args.model, out / f"source-{precision}", precision)),
+                ("after", after_dir),
             )
-        result |= dict(heldout_files=files, eval_seconds=round(time.perf_counter() - t, 1), **evals)
-        lines = [
-            "| head | " + " | ".join(f"k={k}" for k in args.eval_ks) + " |",
-            "|---|" + "---:|" * len(args.eval_ks),
-        ]
-        for name in ("before", "after"):
-            cells = [
-                f"{r['mean_acceptance_length']:.2f}" + ("" if r["identical"] else " (differs!)")
-                for r in evals[name]
-            ]
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
-        print("Held-out mean acceptance length (greedy, BF16 drafter):\n" + "\n".join(lines))
-        if not all(r["identical"] and not r["kv_error"] for v in evals.values() for r in v):
+            evals[precision] = {}
+            for name, directory in heads:
+                cfg_p, ckpt = load_drafter(directory)
+                evals[precision][name] = acceptance(
+                    tcfg,
+                    target,
+                    head,
+                    cfg_p,
+                    ckpt.modules[0],
+                    ckpt.head,
+                    prompts,
+                    ks=args.eval_ks,
+                    new_tokens=args.eval_new_tokens,
+                    hidden_contract=HiddenContract(args.hidden_contract),
+                )
+        result |= dict(
+            heldout_files=files,
+            eval_precisions=list(args.eval_precisions),
+            eval_seconds=round(time.perf_counter() - t, 1),
+            eval=evals,
+            **evals.get("bf16", {}),  # top-level "before" / "after": the BF16 drafters' records
+        )
+        print(
+            "Held-out mean acceptance length (greedy; each head converted at the precision, "
+            "its embedding and LM head too):\n" + _table(evals, args.eval_ks)
+        )
+        records = [r for v in evals.values() for rs in v.values() for r in rs]
+        if not all(r["identical"] and not r["kv_error"] for r in records):
             (out / "finetune.json").write_text(json.dumps(result, indent=1) + "\n")
             _log("FAILED: a speculative output differs from greedy decoding")
             return 1
     (out / "finetune.json").write_text(json.dumps(result, indent=1) + "\n")
-    _log(
-        f"wrote {out / 'hf'}, {out / 'drafter-bf16'} and {out / 'finetune.json'} "
-        f"({time.perf_counter() - t0:.0f}s)"
-    )
+    precisions = dict.fromkeys(("bf16", *(() if args.no_eval else args.eval_precisions)))
+    written = [out / "hf", *(out / f"drafter-{p}" for p in precisions), out / "finetune.json"]
+    _log(f"wrote {', '.join(map(str, written))} ({time.perf_counter() - t0:.0f}s)")
     return 0

@@ -4,7 +4,10 @@ source), then converted into the converter's orbax format (``mtpjax.checkpoint.c
 
 A single-file source (``model.safetensors``, as the shipped pair) is rewritten whole, every
 other tensor as stored; a sharded source keeps its shards (linked, not copied) and gets one new
-shard holding the MTP tensors, which the rewritten index maps them to.
+shard holding the MTP tensors, which the rewritten index maps them to (a source written here
+has that shard already: it is rewritten, not linked). Every small non-weight file of the source
+(``config.json``, ``tokenizer.json``, ``heldout_files.txt``) is copied, so ``out`` reads as the
+source does and can itself be the source of a further fine-tune.
 """
 
 from __future__ import annotations
@@ -89,12 +92,20 @@ def write_model_dir(
         _save(out / SINGLE, full | tensors)
     else:
         index = json.loads((source / INDEX).read_text())
+        head_shard = tensors
         for shard in ckpt.shards:
             link = out / shard
             if link.exists() or link.is_symlink():
                 link.unlink()
+            if shard == MTP_SHARD:
+                # A source this function wrote (a fine-tuned head fine-tuned again): its head
+                # shard is rewritten into ``out``, never linked, so the source's is never written.
+                from safetensors.flax import load_file
+
+                head_shard = load_file(str(source / shard)) | tensors
+                continue
             os.symlink((source / shard).resolve(), link)
-        _save(out / MTP_SHARD, tensors)
+        _save(out / MTP_SHARD, head_shard)
         index["weight_map"] = index["weight_map"] | dict.fromkeys(tensors, MTP_SHARD)
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     if drafter_out is not None:
