@@ -22,10 +22,19 @@ import tempfile
 
 from benchmarks import harness
 
+#: The verify's 32 rows (B = 8, K = 3): the tiles around the 64x256 default.
+NVFP4_32_ROWS = (
+    {"block_k": 512},
+    {"block_n": 128},
+    {"block_n": 128, "block_k": 512},
+    {"stages": 3},
+)
 #: linear: (format, rows, implementation, config class, variants as field dicts), on the LM head.
 LINEAR_SWEEP = (
     ("nvfp4", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 128}, {"block_k": 1024})),
     ("nvfp4", 8, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 128}, {"stages": 3})),
+    ("nvfp4", 16, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 512}, {"block_n": 128})),
+    ("nvfp4", 32, "mosaic_gpu", "MosaicGemvConfig", NVFP4_32_ROWS),
     ("nvfp4", 96, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 64}, {"block_k": 512})),
     ("fp8", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 512}, {"block_n": 128})),
     ("fp8", 96, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 256}, {"block_n": 64})),
@@ -98,6 +107,8 @@ def section_linear(child) -> None:
         child.emit(dict(kernel="device_copy", op="copy", **bw))
     name, n, k = SMOKE_SHAPE if child.smoke else LM_HEAD
     for fmt, rows, impl, cls_name, variants in LINEAR_SWEEP:
+        if child.options.cases and f"{fmt}/{rows}/{impl}" not in child.options.cases:
+            continue
         if child.left() < 20:
             return
         w0 = jax.random.normal(child.next_key(), (n, k), jnp.bfloat16) * 0.02
@@ -191,12 +202,24 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cases(text: str) -> tuple[str, ...]:
+    known = {f"{f}/{r}/{i}" for f, r, i, *_ in LINEAR_SWEEP}
+    cases = tuple(c for c in text.split(",") if c)
+    unknown = [c for c in cases if c not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown cases {unknown}: expected from {sorted(known)}")
+    return cases
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the run and its records here")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"from {','.join(SECTIONS)}")
     ap.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode, CPU")
+    ap.add_argument(
+        "--cases", type=_cases, default=(), help="linear cases only, as format/rows/implementation"
+    )
     harness.add_child_args(ap)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -208,7 +231,8 @@ def main(argv=None) -> int:
             "benchmarks.kernels",
             [s for s in args.sections.split(",") if s],
             budget_s=args.budget_s,
-            extra=["--smoke"] * args.smoke,
+            extra=["--smoke"] * args.smoke
+            + (["--cases", ",".join(args.cases)] if args.cases else []),
             workdir=tmp,
         )
     records = derive(records)

@@ -1,6 +1,7 @@
 """benchmarks.harness: the timers, the child runner and the record files; benchmarks.kernels'
 table on hand-made records."""
 
+import argparse
 import json
 import time
 
@@ -89,3 +90,12 @@ def test_propose_ab_counts_device_ops_with_while_bodies_per_trip():
         jax.jit(lambda x: jnp.cos(x) + 1.0).lower(jnp.ones((8,))).compile().as_text()
     )
     assert loop_free >= 1
+
+
+def test_kernels_cases_name_known_linear_cases():
+    assert kernels._cases("nvfp4/32/mosaic_gpu,bf16/1/triton") == (
+        "nvfp4/32/mosaic_gpu",
+        "bf16/1/triton",
+    )
+    with pytest.raises(argparse.ArgumentTypeError, match="nvfp4/3/mosaic_gpu"):
+        kernels._cases("nvfp4/3/mosaic_gpu")
