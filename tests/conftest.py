@@ -28,20 +28,38 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a GPU (run there with `pytest -m gpu`)")
+    # xdist hands out `--dist loadfile` files by their number of tests, most first, unless told
+    # to keep the collection's order: the order below is the one that balances the workers.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
-# The longest test files (minutes of CPU each), started first so that the two xdist workers do
-# not end on one of them while the other idles.
+# The longest test files (tens of seconds of CPU each, longest first), started before the
+# rest so that the two xdist workers do not end on one of them while the other idles; the many
+# short files, in collection order after them, fill the gaps.
 _LONGEST_FIRST = (
-    "test_notebook.py",
-    "test_train_smoke.py",
     "test_generate.py",
+    "test_tree.py",
+    "test_measure_acceptance.py",
+    "test_notebook.py",
     "test_pretrained.py",
-    "test_readme.py",
-    "test_bench_generate.py",
     "test_bench_propose.py",
+    "test_finetune_cli.py",
+    "test_mla.py",
+    "test_nextn_fixtures.py",
+    "test_bench_generate.py",
+    "test_drafter_parallel.py",
+    "test_train_smoke.py",
+    "test_kernels_gemv_mosaic.py",
+    "test_kernels_stacked.py",
+    "test_train.py",
+    "test_draft_length.py",
+    "test_propose.py",
     "test_hybrid.py",
-    "test_demo.py",
+    "test_convert.py",
+    "test_generate_families.py",
+    "test_sampled_drafts.py",
+    "test_readme.py",
 )
 
 

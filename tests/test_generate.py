@@ -130,6 +130,34 @@ def baseline(pair, target, prompts):
     return run
 
 
+@pytest.fixture(scope="module")
+def speculative(pair, fp8, target, prompts):
+    """Greedy speculation with a BF16 or FP8 drafter, one run per (k, precision, eos_id), shared
+    by the exactness and the tracing tests."""
+
+    @functools.cache
+    def run(k: int, precision: str, eos_id: int | None):
+        if precision == "bf16":
+            dcfg, drafter, dhead = pair["dcfg"], pair["drafter"], pair["head"]
+        else:
+            dcfg, drafter, dhead = fp8
+        out = gen.generate(
+            target,
+            drafter,
+            pair["head"],
+            *prompts,
+            drafter_cfg=dcfg,
+            head_cfg=pair["tcfg"].lm_head_config(),
+            max_new_tokens=N,
+            num_drafts=k,
+            drafter_head=dhead,
+            eos_id=eos_id,
+        )
+        return jax.device_get(out)
+
+    return run
+
+
 def common_eos(tokenizer) -> int:
     """A frequent token (a newline with indentation) that stops many sequences early."""
     ids = tokenizer.encode("    x = 1\n    y = 2\n").ids
@@ -145,32 +173,18 @@ def common_eos(tokenizer) -> int:
 # the FP8 drafter, whose prompt rows go through propose, at k = 2.
 @pytest.mark.parametrize("k, precision", [(1, "bf16"), (2, "fp8"), (3, "bf16"), (4, "bf16")])
 def test_greedy_speculation_equals_plain_greedy(
-    pair, fp8, target, prompts, baseline, tokenizer, k, precision
+    pair, fp8, prompts, speculative, baseline, tokenizer, k, precision
 ):
     if precision == "bf16":
-        dcfg, drafter, dhead = pair["dcfg"], pair["drafter"], pair["head"]
-        assert supports_prefill(drafter)  # the drafter-prefill path
+        assert supports_prefill(pair["drafter"])  # the drafter-prefill path
     else:
-        dcfg, drafter, dhead = fp8
+        _, drafter, dhead = fp8
         assert drafter.layer.attention.q_proj.format is WeightFormat.FP8
         assert dhead.weight.format is WeightFormat.FP8
         assert not supports_prefill(drafter)  # the prompt's rows go through propose
     eos_id = common_eos(tokenizer) if k == 4 else None
     B = prompts[0].shape[0]
-    spec = jax.device_get(
-        gen.generate(
-            target,
-            drafter,
-            pair["head"],
-            *prompts,
-            drafter_cfg=dcfg,
-            head_cfg=pair["tcfg"].lm_head_config(),
-            max_new_tokens=N,
-            num_drafts=k,
-            drafter_head=dhead,
-            eos_id=eos_id,
-        )
-    )
+    spec = speculative(k, precision, eos_id)
     base = baseline(k + 1, eos_id)
 
     np.testing.assert_array_equal(spec.tokens, base.tokens)
@@ -255,7 +269,7 @@ def test_sampling_needs_a_key(pair, target, prompts):
 # Tracing.
 
 
-def test_loop_traces_once_for_any_prompt_lengths(pair, target, prompts):
+def test_loop_traces_once_for_any_prompt_lengths(pair, target, prompts, speculative):
     """New prompts with other lengths (same batch and width) reuse the compiled loop."""
     kw = dict(
         drafter_cfg=pair["dcfg"],
@@ -264,7 +278,7 @@ def test_loop_traces_once_for_any_prompt_lengths(pair, target, prompts):
         num_drafts=1,
     )
     before = (target.prefill.calls, target.step.calls)
-    first = gen.generate(target, pair["drafter"], pair["head"], *prompts, **kw)
+    first = speculative(1, "bf16", None)  # the same call: the BF16 drafter, its head the target's
     traced = (target.prefill.calls, target.step.calls)
     # Compiled here or by an earlier test; a compile traces the prefill and the round once.
     assert traced[0] - before[0] == traced[1] - before[1] in (0, 1)
