@@ -18,8 +18,8 @@ shapes, a KV pool filled to ``--context`` rows), each compiled per command-buffe
   name (which host work the call spends its time in).
 
 Floors from the same process: a one-op jit (the least a synchronous call costs) and a chain of
-``FLOOR_KERNELS`` small dots (each its own kernel: what one launch costs when the device waits
-for it).
+``FLOOR_KERNELS`` dependent small dots (what launching a program of that many tiny steps costs,
+its work aside).
 """
 
 from __future__ import annotations
