@@ -85,9 +85,9 @@ def write_model_dir(
         weights = f.name.endswith(".safetensors") or f.name == INDEX
         if f.is_file() and not weights and f.stat().st_size <= _SMALL_FILE:
             shutil.copy2(f, out / f.name)
-    if ckpt.source == SINGLE:
-        from safetensors.flax import load_file
+    from safetensors.flax import load_file  # BF16, as _save
 
+    if ckpt.source == SINGLE:
         full = load_file(str(source / SINGLE))
         _save(out / SINGLE, full | tensors)
     else:
@@ -100,8 +100,6 @@ def write_model_dir(
             if shard == MTP_SHARD:
                 # A source this function wrote (a fine-tuned head fine-tuned again): its head
                 # shard is rewritten into ``out``, never linked, so the source's is never written.
-                from safetensors.flax import load_file
-
                 head_shard = load_file(str(source / shard)) | tensors
                 continue
             os.symlink((source / shard).resolve(), link)
