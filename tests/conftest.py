@@ -1,9 +1,8 @@
 """Test-session set-up: eight forced host devices for the sharding tests, unoptimised XLA:CPU
-code, F32-exact matmuls, a compilation cache shared by the test processes, and the ``gpu`` marker
-(tests that only make sense on a GPU; they skip elsewhere)."""
+code, F32-exact matmuls, no persistent compilation cache, and the ``gpu`` marker (tests that only
+make sense on a GPU; they skip elsewhere)."""
 
 import os
-from pathlib import Path
 
 # Must be set before JAX initialises its backends; tests only, never library code. The tests'
 # time goes mostly to compiling small programs, so XLA:CPU skips its LLVM optimisation passes
@@ -11,14 +10,10 @@ from pathlib import Path
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
-# The xdist workers and the subprocesses the tests start (CLI, demo, notebook kernel) compile
-# many of the same programs: a persistent cache inside the checkout lets each compile once. It
-# starts empty in a fresh clone; the environment is inherited by the subprocesses.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).parents[1] / ".cache/jax-tests")
-)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# No persistent compilation cache: serialising XLA:CPU executables into one shared by the
+# workers crashed a worker (SIGSEGV inside `executable.serialize`), and pytest-xdist can wait
+# forever on the tests a lost worker held. The subprocesses the tests start inherit this.
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 import jax
 import pytest
