@@ -77,7 +77,7 @@ from mtpjax.drafter._params import (
 from mtpjax.drafter._sampling import DEFAULT_DRAFT_TOP_K, DraftProbs, sample_top_k
 from mtpjax.drafter._trim import _check_state, module_trims, rows_written
 from mtpjax.head import LMHeadParams
-from mtpjax.kv import PagedKVCache, WindowError, append
+from mtpjax.kv import PagedKVCache, WindowError, append, donation
 from mtpjax.kv.state import DrafterState, drop_newest, newest_key, put_rows
 from mtpjax.layers import mla
 from mtpjax.layers.attention import output_projection, project_q
@@ -430,8 +430,7 @@ def write_window(module, head, state, pairs, **kw):
     return state, active, x, a
 
 
-@functools.partial(
-    jax.jit,
+@donation.step(
     static_argnames=(
         "cfg",
         "num_drafts",
@@ -440,8 +439,7 @@ def write_window(module, head, state, pairs, **kw):
         "return_logits",
         "implementation",
         "draft_top_k",
-    ),
-    donate_argnames=("state",),
+    )
 )
 def _propose(
     modules: DrafterModules,
@@ -652,11 +650,7 @@ def propose(
 # prefill.
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("cfg", "chunk_size", "head_cfg", "implementation"),
-    donate_argnames=("state",),
-)
+@donation.step(static_argnames=("cfg", "chunk_size", "head_cfg", "implementation"))
 def _prefill(modules, head, state, pairs, *, cfg, chunk_size, head_cfg, implementation):
     state, active, skip = _open_window(state, pairs, drop_past_anchor=False)
     num_new = jnp.where(active, pairs.count - skip, 0)

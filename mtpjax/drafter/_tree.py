@@ -34,6 +34,7 @@ from mtpjax.drafter._forward import output_head, pair_rows, resolve_head_cfg
 from mtpjax.drafter._params import DrafterModules, DrafterParams
 from mtpjax.drafter._propose import Pairs, check_propose_inputs, decode_row, write_window
 from mtpjax.head import LMHeadParams
+from mtpjax.kv import donation
 from mtpjax.kv.cache import gather
 from mtpjax.kv.pool import quantize_rows_fp8
 from mtpjax.layers.attention import attend, output_projection, project_q
@@ -77,8 +78,7 @@ def _as_stored(pool, rows: jax.Array) -> jax.Array:
     return q.astype(jnp.float32) * scale[..., None]
 
 
-@functools.partial(
-    jax.jit,
+@donation.step(
     static_argnames=(
         "cfg",
         "tree",
@@ -86,8 +86,7 @@ def _as_stored(pool, rows: jax.Array) -> jax.Array:
         "head_cfg",
         "return_logits",
         "implementation",
-    ),
-    donate_argnames=("state",),
+    )
 )
 def _propose_tree(
     params, head, state, pairs, *, cfg, tree, hidden_contract, head_cfg, return_logits,

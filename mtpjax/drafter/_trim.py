@@ -27,7 +27,6 @@ Shapes: ``[B]`` sequences, ``[N]`` modules.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 
 import chex
@@ -35,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtpjax.kv import donation
 from mtpjax.kv.state import DrafterState, drop_newest, free_sequences
 
 
@@ -122,7 +122,7 @@ def _check_state(state: DrafterState) -> int:
     return state.num_seqs
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@donation.step()
 def _after_verify(state, num_accepted, refeed):
     return trim_round(state, num_accepted, refeed, jnp.ones_like(refeed))
 
@@ -153,7 +153,7 @@ def after_verify(
     return _after_verify(state, num_accepted, refeed)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@donation.step()
 def _free(state, mask):
     return free_sequences(state, mask)
 

@@ -12,7 +12,6 @@ Shapes: `[B]` sequences, `[K]` drafts per sequence, `[H]` hidden, `[V]` vocab.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import chex
 import jax
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 from mtpjax.config import LMHeadConfig, configs_by_name
 from mtpjax.drafter import ProposeOutput, after_verify
 from mtpjax.head import LMHeadParams, lm_head
+from mtpjax.kv import donation
 from mtpjax.verify import accept as accept_lib
 from mtpjax.verify import metrics as metrics_lib
 from pallas_kernels.implementation import Implementation
@@ -105,7 +105,7 @@ def verify(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "implementation"), donate_argnames=("state",))
+@donation.step(static_argnames=("cfg", "implementation"))
 def _verify(
     head,
     state,
