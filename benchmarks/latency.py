@@ -15,7 +15,8 @@ shapes, a KV pool filled to ``--context`` rows), each compiled per command-buffe
   (the call's start to its first device event), ``busy_us`` (device events), ``idle_us`` (the
   device waiting between the first and the last event), ``after_last_kernel_us`` (the last
   event's end to the call's return), the number of device events, and the host events summed by
-  name (which host work the call spends its time in).
+  name (which host work the call spends its time in);
+* ``hlo``: the compiled program's copies and custom calls (``benchmarks.propose.scan_hlo``).
 
 Floors from the same process: a one-op jit (the least a synchronous call costs) and a chain of
 ``FLOOR_KERNELS`` dependent small dots (what launching a program of that many tiny steps costs,
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from benchmarks import generate as bg
 from benchmarks import harness
 from benchmarks import profile as bprof
+from benchmarks import propose as bp
 
 FLOOR_KERNELS = 64
 ANNOTATION = "mtpjax_call"
@@ -212,6 +214,7 @@ def measure_point(
     res["propose"] = split_times(run, iters)
     res["propose"]["queued_us"] = harness.time_queued(run)
     res["propose"]["profile"] = profiled(run_propose(prof_p), calls)
+    res["propose"]["hlo"] = bp.scan_hlo(comp_p.as_text())
 
     # The verify, each after an untimed propose (which it trims back to the context).
     drafted, s = comp_p(params, lm, holder[0], pairs)
@@ -234,6 +237,7 @@ def measure_point(
     jax.block_until_ready(run_verify(comp_v)(drafted, s))
     res["verify"] = split_times(run_verify(comp_v), iters, before=proposed)
     res["verify"]["profile"] = profiled(run_verify(prof_v), calls, before=proposed)
+    res["verify"]["hlo"] = bp.scan_hlo(comp_v.as_text())
     return res
 
 
@@ -280,7 +284,8 @@ def _print(r: dict) -> None:
             f"{s['sync_us']:7.0f} queued {s.get('queued_us', float('nan')):7.0f} | profiled: "
             f"wall {p['wall_us']:7.0f} first {p.get('to_first_kernel_us', 0):6.0f} busy "
             f"{p.get('busy_us', 0):6.0f} idle {p.get('idle_us', 0):6.0f} tail "
-            f"{p.get('after_last_kernel_us', 0):6.0f} events {p['device_events']:.0f}"
+            f"{p.get('after_last_kernel_us', 0):6.0f} events {p['device_events']:.0f} | "
+            f"program: {s['hlo']['copies']} copies, {s['hlo']['pallas_kernels']} Pallas kernels"
         )
         for h in p["host_events"][:12]:
             print(

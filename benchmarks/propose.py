@@ -97,7 +97,7 @@ from benchmarks import harness
 from mtpjax import drafter
 from mtpjax.config import Architecture, DrafterConfig, FfnKind, MoeConfig
 from mtpjax.head import init_lm_head, lm_head, shard_lm_head, sharded_lm_head
-from mtpjax.kv import DrafterState, KVDtype, gather, reserve, row_address, write_rows
+from mtpjax.kv import DrafterState, KVDtype, donation, gather, reserve, row_address, write_rows
 from mtpjax.layers import DenseFfnParams, MoeFfnParams
 from mtpjax.verify import verify
 from mtpjax.weights import Fp8RowWeight, Weight, WeightFormat, dequantize, quantize
@@ -371,8 +371,12 @@ _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 _HOST_TARGET = re.compile(r"callback|host|annotate_device_placement", re.IGNORECASE)
 
 
+_COPY = re.compile(r"= \S+ copy(?:-start)?\(")
+
+
 def scan_hlo(text: str) -> dict:
-    """Host transfers in compiled HLO text, and the custom calls it makes."""
+    """Host transfers in compiled HLO text, the custom calls it makes, and its copies (each a
+    launch of its own on a GPU)."""
     host_ops = Counter(m.group(1) for m in _HOST_OPS.finditer(text))
     calls = Counter(_CUSTOM_CALL.findall(text))
     host_calls = {t: n for t, n in calls.items() if _HOST_TARGET.search(t)}
@@ -384,6 +388,7 @@ def scan_hlo(text: str) -> dict:
         host_memory_space_refs=host_memory,
         custom_calls=dict(calls),
         pallas_kernels=sum(n for t, n in calls.items() if "triton" in t or "mosaic" in t),
+        copies=len(_COPY.findall(text)),
     )
 
 
@@ -1130,19 +1135,23 @@ class Bench:
 
 
 def propose_fn(cfg, k: int, impl: str):
-    """``propose`` with its static arguments bound; the state (argument 2) is donated."""
-    return jax.jit(
-        lambda p, h, s, x: drafter.propose(p, h, s, x, cfg=cfg, num_drafts=k, implementation=impl),
-        donate_argnums=(2,),
-    )
+    """``propose`` with its static arguments bound, jitted as the library jits it (the state's
+    bulk donated, ``mtpjax.kv.donation``)."""
+
+    def propose(p, h, state, x):
+        return drafter.propose(p, h, state, x, cfg=cfg, num_drafts=k, implementation=impl)
+
+    return donation.step()(propose)
 
 
 def verify_fn(head_cfg, impl: str):
-    """``verify`` (greedy, ``refeed=True``) with its static arguments bound; state donated."""
-    return jax.jit(
-        lambda h, s, th, d: verify(h, s, th, d, cfg=head_cfg, refeed=True, implementation=impl),
-        donate_argnums=(1,),
-    )
+    """``verify`` (greedy, ``refeed=True``) with its static arguments bound, jitted as the
+    library jits it."""
+
+    def verify_(h, state, th, d):
+        return verify(h, state, th, d, cfg=head_cfg, refeed=True, implementation=impl)
+
+    return donation.step()(verify_)
 
 
 def sharded_propose_fn(cfg, k: int, mesh):

@@ -79,3 +79,4 @@ def test_smoke_run_records_every_part(tmp_path):
         s = rec[step]
         assert 0 < s["dispatch_us"] <= s["sync_us"]
         assert s["profile"]["calls"] == 1 and s["profile"]["host_events"]
+        assert s["hlo"]["copies"] >= 0 and "custom_calls" in s["hlo"]
