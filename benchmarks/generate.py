@@ -77,6 +77,7 @@ from mtpjax import generation as gen
 from mtpjax.checkpoint import convert, load_drafter
 from mtpjax.config import DrafterConfig, HiddenContract
 from mtpjax.head import init_lm_head, lm_head
+from mtpjax.kv import donation
 from mtpjax.verify import VerifyOutput, verify
 from mtpjax.verify import metrics as metrics_lib
 
@@ -360,7 +361,7 @@ def plain_step_fn(head_cfg, implementation: str):
 def verify_step_fn(head_cfg, implementation: str):
     """The target's K+1-row step and ``verify``, as a round runs them: ``(target, head, cache,
     state, window int32[B, K+1], position, drafts) -> (VerifyOutput, cache, state)``; the cache
-    and the drafter state are donated."""
+    is donated, and the drafter state as ``verify`` donates it (``mtpjax.kv.donation``)."""
 
     def step(target, head, cache, state, window, position, drafts):
         hidden, cache = target.step(target.params, cache, window, position)
@@ -369,7 +370,7 @@ def verify_step_fn(head_cfg, implementation: str):
         )
         return out, cache, state
 
-    return jax.jit(step, donate_argnums=(2, 3))
+    return donation.step(donate_argnames=("cache",))(step)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,3 +125,22 @@ def test_a_step_given_something_else_than_a_state_names_what_it_got(setup):
     cfg, _, head, *_ = setup
     with pytest.raises(TypeError, match="state must be a DrafterState, got dict"):
         verify(head, {"seq_len": jnp.zeros(B, jnp.int32)}, None, None, cfg=cfg.lm_head_config())
+
+
+def test_a_callers_own_function_jitted_through_step_donates_as_the_steps_do(setup):
+    *_, state = setup
+
+    def close_round(extra, state):
+        _, state = drafter.after_verify(state, jnp.zeros(B, jnp.int32))
+        return extra + 1, state
+
+    f = donation.step(donate_argnames=("extra",))(close_round)
+    for call in (f, f.lower(jnp.zeros(8), state).compile()):  # jitted, and compiled ahead
+        s, extra = clone(state), jnp.zeros(8)
+        bulk, books = donation.split(s)
+        out, new = call(extra, s)
+        np.testing.assert_array_equal(out, 1)
+        assert extra.is_deleted() and all(x.is_deleted() for x in jax.tree.leaves(bulk))
+        assert not any(x.is_deleted() for x in jax.tree.leaves(books))
+        assert new.freed is s.freed  # untouched: the caller's own array
+        np.testing.assert_array_equal(new.kv[0].seq_len, state.kv[0].seq_len)

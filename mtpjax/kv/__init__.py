@@ -1,4 +1,5 @@
-"""Paged KV pool, functional block allocator and per-sequence drafter state."""
+"""Paged KV pool, functional block allocator, per-sequence drafter state, and which of its
+leaves a jitted step donates (`donation`)."""
 
 from mtpjax.kv.allocator import BlockAllocator, allocate, block_ids, init_allocator, release
 from mtpjax.kv.cache import (

@@ -93,16 +93,25 @@ class _Lowered:
         return getattr(self._lowered, name)
 
 
-def step(*, static_argnames: tuple[str, ...] = (), state: str = "state"):
-    """``jax.jit`` of a step, donating the bulk of its ``state`` argument (passed positionally)
-    and keeping its bookkeeping; the wrapped step's signature and results are unchanged.
+def step(
+    *,
+    static_argnames: tuple[str, ...] = (),
+    donate_argnames: tuple[str, ...] = (),
+    state: str = "state",
+):
+    """``jax.jit`` of a step, donating the bulk of its ``state`` argument and keeping its
+    bookkeeping, and donating the ``donate_argnames`` arguments whole (these and ``state`` are
+    passed positionally); the wrapped step's signature and results are unchanged.
 
     The returned function also has ``lower`` (of the step's arguments; its ``compile`` gives a
     callable of them too) and the jitted body's ``_cache_size`` and ``clear_cache``.
     """
 
     def wrap(fun):
-        pos = list(inspect.signature(fun).parameters).index(state)
+        names = list(inspect.signature(fun).parameters)
+        pos = names.index(state)
+        # The books come first, so every argument is one place later in the jitted body.
+        donated = (pos + 1, *(names.index(n) + 1 for n in donate_argnames))
 
         def split_step(books, *args, **kwargs):
             args = list(args)
@@ -115,10 +124,9 @@ def step(*, static_argnames: tuple[str, ...] = (), state: str = "state"):
 
             return _with_state(result, hand_back)
 
-        # Named as the step, for tracebacks and profiles. The books come first, so the state's
-        # bulk is argument pos + 1.
+        # Named as the step, for tracebacks and profiles.
         split_step.__name__ = split_step.__qualname__ = fun.__name__
-        jitted = jax.jit(split_step, static_argnames=static_argnames, donate_argnums=(pos + 1,))
+        jitted = jax.jit(split_step, static_argnames=static_argnames, donate_argnums=donated)
 
         def split_args(args):
             args = list(args)
