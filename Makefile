@@ -1,5 +1,7 @@
 # Two entry points: `make demo` (the main job) and `make test` (the whole suite, lint included).
 # Both create or reuse the virtualenv at .venv/ with a Python 3.12 found by scripts/find_python.sh.
+# A crashed test worker ends the run (a replacement could leave pytest-xdist waiting on the
+# tests the lost one held).
 VENV := .venv
 STAMP := $(VENV)/.installed
 
@@ -19,7 +21,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest -n 2 --dist loadfile -q
+	$(VENV)/bin/python -m pytest -n 2 --dist loadfile --max-worker-restart=0 -q
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
