@@ -1,7 +1,8 @@
 """Test-session set-up: eight forced host devices for the sharding tests, unoptimised XLA:CPU
-code, F32-exact matmuls, no persistent compilation cache, and the ``gpu`` marker (tests that only
-make sense on a GPU; they skip elsewhere)."""
+code, F32-exact matmuls, no persistent compilation cache, compiled programs released after each
+test file, and the ``gpu`` marker (tests that only make sense on a GPU; they skip elsewhere)."""
 
+import gc
 import os
 
 # Must be set before JAX initialises its backends; tests only, never library code. The tests'
@@ -10,9 +11,8 @@ import os
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
-# No persistent compilation cache: serialising XLA:CPU executables into one shared by the
-# workers crashed a worker (SIGSEGV inside `executable.serialize`), and pytest-xdist can wait
-# forever on the tests a lost worker held. The subprocesses the tests start inherit this.
+# No persistent compilation cache: the workers share nothing on disk, and a test's programs are
+# compiled by the test that needs them. The subprocesses the tests start inherit this.
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 
 import jax
@@ -56,6 +56,21 @@ _LONGEST_FIRST = (
     "test_sampled_drafts.py",
     "test_readme.py",
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops every compiled program once a test file is done.
+
+    Each XLA:CPU executable keeps three memory mappings (its code, read-only data and data) for as
+    long as a jit cache holds it, and an xdist worker compiles thousands of programs: one worker of
+    the whole suite reached 63,978 mappings against Linux's default limit of 65,530, past which
+    XLA:CPU's next compile or serialisation fails to map memory and the worker dies with SIGSEGV.
+    Programs a later file needs are compiled again there.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
