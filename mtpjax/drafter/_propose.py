@@ -60,9 +60,9 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_kernels
+from mtpjax import device_values
 from mtpjax.config import DrafterConfig, HiddenContract, LMHeadConfig
 from mtpjax.drafter._forward import DrafterOutput, output_head, pair_rows, resolve_head_cfg
 from mtpjax.drafter._params import (
@@ -247,6 +247,12 @@ def _shift_left(x: jax.Array | None, skip: jax.Array) -> jax.Array | None:
 # Windows.
 
 
+def _check_shape(name: str, x, shape: tuple[int, ...]) -> None:
+    # Plain tuple comparisons: these run on every call, where the host's time is the latency.
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+
+
 def check_propose_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, num_modules: int):
     """Static checks of the state against the drafter and of the window; returns ``pairs`` with
     its index arrays as int32 and ``active`` filled in (all True when absent: one program with or
@@ -265,27 +271,28 @@ def check_propose_inputs(state: DrafterState, pairs: Pairs, cfg: DrafterConfig, 
                 f"the drafter needs {(heads, width, value_dim)} (drafter.pool_config(cfg, ...) "
                 "makes its pool)"
             )
-        chex.assert_shape(keys, (B, cache.max_rows_per_seq))
+        _check_shape(f"state.row_keys[{m}]", keys, (B, cache.max_rows_per_seq))
     if not isinstance(pairs, Pairs):
         raise TypeError(f"inputs must be Pairs, got {type(pairs).__name__}")
-    chex.assert_rank(pairs.tokens, 2)
+    if len(pairs.tokens.shape) != 2:
+        raise ValueError(f"Pairs.tokens must be [B, T], got shape {tuple(pairs.tokens.shape)}")
     T = pairs.tokens.shape[1]
-    chex.assert_shape(pairs.tokens, (B, T))
-    chex.assert_shape(pairs.hidden, (B, T, cfg.hidden_size))
-    chex.assert_shape(pairs.count, (B,))
-    chex.assert_shape(pairs.start, (B,))
+    _check_shape("Pairs.tokens", pairs.tokens, (B, T))
+    _check_shape("Pairs.hidden", pairs.hidden, (B, T, cfg.hidden_size))
+    _check_shape("Pairs.count", pairs.count, (B,))
+    _check_shape("Pairs.start", pairs.start, (B,))
     if not jnp.issubdtype(pairs.tokens.dtype, jnp.integer):
         raise TypeError(f"Pairs.tokens must be integer token ids, got {pairs.tokens.dtype}")
-    if pairs.active is None:  # a host array: one program either way, and no device op here
-        active = np.ones((B,), bool)
+    if pairs.active is None:  # one program either way; made on the device once per B
+        active = device_values.full((B,), True, "bool")
     else:
-        chex.assert_shape(pairs.active, (B,))
+        _check_shape("Pairs.active", pairs.active, (B,))
         active = pairs.active
     return dataclasses.replace(
         pairs,
-        tokens=jnp.asarray(pairs.tokens, jnp.int32),
-        count=jnp.asarray(pairs.count, jnp.int32),
-        start=jnp.asarray(pairs.start, jnp.int32),
+        tokens=device_values.as_int32(pairs.tokens),
+        count=device_values.as_int32(pairs.count),
+        start=device_values.as_int32(pairs.start),
         active=active,
     )
 

@@ -8,7 +8,9 @@ XLA copies each old value aside before the new one takes its buffer, two device 
 leaf, each a launch of its own. Not donated, a rewritten one gets a fresh buffer and no copy;
 one the step leaves as it was would be copied into its output buffer, so the step hands those
 back as None and the caller keeps the input's (``step`` does both). Which leaves are which
-follows from their shapes alone: a state always splits the same way, one jit cache entry.
+follows from their shapes alone: a state always splits the same way, one jit cache entry. The
+jitted body takes the state as its two lists of leaves and returns it as one, so a call
+flattens the state once and rebuilds it once, the split looked up rather than recomputed.
 
 ``step`` jits a step ``f(..., state, ...) -> new_state`` or ``-> (..., new_state)`` of a
 ``DrafterState`` (any state with ``num_seqs``); a caller's own function of a state (a propose
@@ -20,40 +22,53 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any, NamedTuple
 
 import jax
 
 
-def _is_bookkeeping(x: jax.Array, num_seqs: int) -> bool:
-    """A scalar or a vector of at most one entry per sequence."""
-    return x.ndim == 0 or (x.ndim == 1 and x.shape[0] <= num_seqs)
+class Layout(NamedTuple):
+    """How a state's leaves split: its structure, and per leaf (in flattening order) whether it
+    is bookkeeping (a scalar, or a vector of at most one entry per sequence)."""
+
+    treedef: Any
+    books: tuple[bool, ...]
 
 
-def _is_none(x) -> bool:
-    return x is None
+@functools.lru_cache(maxsize=256)
+def _layout(treedef, shapes: tuple, num_seqs: int) -> Layout:
+    books = tuple(len(s) == 0 or (len(s) == 1 and s[0] <= num_seqs) for s in shapes)
+    return Layout(treedef, books)
+
+
+def layout_of(state) -> tuple[Layout, list]:
+    """``(layout, leaves)`` of a state. Runs on every call of a step: one flatten, and the split
+    looked up by structure and shapes (mapping over the leaves cost a call tens of µs)."""
+    n = getattr(state, "num_seqs", None)
+    if not isinstance(n, int):
+        raise TypeError(f"state must be a DrafterState, got {type(state).__name__}")
+    leaves, treedef = jax.tree.flatten(state)
+    return _layout(treedef, tuple(x.shape for x in leaves), n), leaves
 
 
 def split(state):
     """``(bulk, books)``: two pytrees of ``state``'s structure, each holding its share of the
     leaves and None in place of the other's; ``join`` undoes it."""
-    n = getattr(state, "num_seqs", None)
-    if not isinstance(n, int):
-        raise TypeError(f"state must be a DrafterState, got {type(state).__name__}")
-    bulk = jax.tree.map(lambda x: None if _is_bookkeeping(x, n) else x, state)
-    books = jax.tree.map(lambda x: x if _is_bookkeeping(x, n) else None, state)
-    return bulk, books
+    layout, leaves = layout_of(state)
+    bulk = [None if b else x for x, b in zip(leaves, layout.books)]
+    books = [x if b else None for x, b in zip(leaves, layout.books)]
+    return layout.treedef.unflatten(bulk), layout.treedef.unflatten(books)
 
 
 def join(bulk, books):
     """The state ``split`` took apart (a None of ``books`` may also be filled from ``bulk``)."""
-    return jax.tree.map(lambda b, s: s if b is None else b, bulk, books, is_leaf=_is_none)
+    ours, treedef = jax.tree.flatten(bulk, is_leaf=_is_none)
+    theirs = treedef.flatten_up_to(books)
+    return treedef.unflatten([b if a is None else a for a, b in zip(ours, theirs)])
 
 
-def _drop_unchanged(books, before):
-    """``books`` with None where a leaf is the very input leaf (traced: the step left it)."""
-    return jax.tree.map(
-        lambda new, old: None if new is old else new, books, before, is_leaf=_is_none
-    )
+def _is_none(x) -> bool:
+    return x is None
 
 
 def _with_state(result, replace):
@@ -63,17 +78,39 @@ def _with_state(result, replace):
     return replace(result)
 
 
+class _Args(NamedTuple):
+    """A step's arguments as its jitted body takes them: the state's layout (static), its
+    bookkeeping leaves (kept), and the arguments with the state replaced by its bulk leaves
+    (donated); ``leaves`` are the state's leaves, for the untouched bookkeeping handed back."""
+
+    layout: Layout
+    books: tuple
+    args: list
+    leaves: list
+
+    def result(self, out):
+        """The step's result, its state rebuilt from the body's flat leaves (None: unchanged)."""
+
+        def rebuild(new):
+            return self.layout.treedef.unflatten(
+                [old if x is None else x for x, old in zip(new, self.leaves)]
+            )
+
+        return _with_state(out, rebuild)
+
+
 class _Compiled:
     """A compiled split step, called as the step is (its static arguments left out); any other
     attribute is the ``jax.stages.Compiled``'s."""
 
-    def __init__(self, compiled, split_args):
-        self._compiled, self._split_args = compiled, split_args
+    def __init__(self, compiled, split_args, layout: Layout):
+        self._compiled, self._split_args, self._layout = compiled, split_args, layout
 
     def __call__(self, *args, **kwargs):
-        books, args = self._split_args(args)
-        result = self._compiled(books, *args, **kwargs)
-        return _with_state(result, lambda new: join(new, books))
+        a = self._split_args(args)
+        if a.layout is not self._layout and a.layout != self._layout:
+            raise TypeError("the state's structure or shapes differ from the lowered one's")
+        return a.result(self._compiled(a.books, *a.args, **kwargs))
 
     def __getattr__(self, name):
         return getattr(self._compiled, name)
@@ -83,11 +120,11 @@ class _Lowered:
     """A lowered split step; ``compile`` takes ``jax.stages.Lowered.compile``'s options, any
     other attribute is the ``jax.stages.Lowered``'s."""
 
-    def __init__(self, lowered, split_args):
-        self._lowered, self._split_args = lowered, split_args
+    def __init__(self, lowered, split_args, layout: Layout):
+        self._lowered, self._split_args, self._layout = lowered, split_args, layout
 
     def compile(self, **options) -> _Compiled:
-        return _Compiled(self._lowered.compile(**options), self._split_args)
+        return _Compiled(self._lowered.compile(**options), self._split_args, self._layout)
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)
@@ -110,38 +147,58 @@ def step(
     def wrap(fun):
         names = list(inspect.signature(fun).parameters)
         pos = names.index(state)
-        # The books come first, so every argument is one place later in the jitted body.
-        donated = (pos + 1, *(names.index(n) + 1 for n in donate_argnames))
+        # The layout and the books come first: every argument is two places later in the body.
+        donated = (pos + 2, *(names.index(n) + 2 for n in donate_argnames))
 
-        def split_step(books, *args, **kwargs):
+        def split_step(layout, books, *args, **kwargs):
             args = list(args)
-            args[pos] = join(args[pos], books)
+            books_in, bulk_in = iter(books), iter(args[pos])
+            leaves = [next(books_in) if b else next(bulk_in) for b in layout.books]
+            args[pos] = layout.treedef.unflatten(leaves)
             result = fun(*args, **kwargs)
 
             def hand_back(new):
-                new_bulk, new_books = split(new)
-                return join(new_bulk, _drop_unchanged(new_books, books))
+                out, treedef = jax.tree.flatten(new)
+                if treedef != layout.treedef:
+                    raise TypeError(
+                        f"{fun.__name__} returned a state of another structure than it was given"
+                    )
+                # A bookkeeping leaf the step left as it was goes back as None: the caller keeps
+                # its own array (returned, XLA would copy it into a fresh output buffer).
+                # A list, not a tuple: a step returning its state alone stays told apart from
+                # one returning (..., state).
+                return [
+                    None if b and x is old else x for x, old, b in zip(out, leaves, layout.books)
+                ]
 
             return _with_state(result, hand_back)
 
         # Named as the step, for tracebacks and profiles.
         split_step.__name__ = split_step.__qualname__ = fun.__name__
-        jitted = jax.jit(split_step, static_argnames=static_argnames, donate_argnums=donated)
+        jitted = jax.jit(
+            split_step,
+            static_argnums=(0,),
+            static_argnames=static_argnames,
+            donate_argnums=donated,
+        )
 
-        def split_args(args):
+        def split_args(args) -> _Args:
             args = list(args)
-            args[pos], books = split(args[pos])
-            return books, args
+            layout, leaves = layout_of(args[pos])
+            books = tuple(x for x, b in zip(leaves, layout.books) if b)
+            args[pos] = tuple(x for x, b in zip(leaves, layout.books) if not b)
+            return _Args(layout, books, args, leaves)
 
         @functools.wraps(fun)
         def call(*args, **kwargs):
-            books, args = split_args(args)
-            result = jitted(books, *args, **kwargs)
-            return _with_state(result, lambda new: join(new, books))
+            a = split_args(args)
+            return a.result(jitted(a.layout, a.books, *a.args, **kwargs))
 
         def lower(*args, **kwargs) -> _Lowered:
-            books, args = split_args(args)
-            return _Lowered(jitted.lower(books, *args, **kwargs), split_args)
+            a = split_args(args)
+            return _Lowered(
+                jitted.lower(a.layout, a.books, *a.args, **kwargs), split_args, a.layout
+            )
 
         call.lower = lower
         call._cache_size = jitted._cache_size

@@ -17,6 +17,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from mtpjax import device_values
 from mtpjax.config import LMHeadConfig, configs_by_name
 from mtpjax.drafter import ProposeOutput, after_verify
 from mtpjax.head import LMHeadParams, lm_head
@@ -95,7 +96,9 @@ def verify(
         drafts,
         temperature,
         key,
-        jnp.asarray(refeed, bool),
+        device_values.scalar(refeed, "bool")
+        if isinstance(refeed, bool)
+        else jnp.asarray(refeed, bool),
         metrics,
         active,
         num_proposed,

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtpjax import device_values
 from mtpjax.drafter._sampling import DraftProbs
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "AcceptResult", "accept", "check_temperature"]
@@ -143,7 +144,8 @@ def check_temperature(
         raise ValueError(f"temperature must be finite and >= 0, got {value}")
     if value > 0 and key is None:
         raise ValueError(f"key is required for rejection sampling (temperature={value})")
-    return np.float32(value), key if value > 0 else None
+    # A device scalar reused across calls: a host one is copied to the device on every call.
+    return device_values.scalar(value, "float32"), key if value > 0 else None
 
 
 @jax.jit
