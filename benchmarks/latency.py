@@ -16,7 +16,13 @@ shapes, a KV pool filled to ``--context`` rows), each compiled per command-buffe
   device waiting between the first and the last event), ``after_last_kernel_us`` (the last
   event's end to the call's return), the number of device events, and the host events summed by
   name (which host work the call spends its time in);
-* ``hlo``: the compiled program's copies and custom calls (``benchmarks.propose.scan_hlo``).
+* ``hlo``: the compiled program's copies and custom calls (``benchmarks.propose.scan_hlo``);
+* ``public`` (the ``default`` variant only): dispatch and sync of ``mtpjax.drafter.propose`` and
+  ``mtpjax.verify.verify`` as a caller calls them, their Python argument checks included;
+* ``layers``: the dispatch split by layer: the donation wrapper's Python (splitting the state
+  into donated bulk and kept bookkeeping, joining the result), the compiled program called
+  alone, a program that takes the same argument leaves and does nothing (what passing them
+  costs), and for the verify its LM head alone (one Pallas kernel and its argmax).
 
 Floors from the same process: a one-op jit (the least a synchronous call costs) and a chain of
 ``FLOOR_KERNELS`` dependent small dots (what launching a program of that many tiny steps costs,
@@ -41,6 +47,9 @@ from benchmarks import generate as bg
 from benchmarks import harness
 from benchmarks import profile as bprof
 from benchmarks import propose as bp
+from mtpjax import drafter
+from mtpjax.head import lm_head
+from mtpjax.verify import verify
 
 FLOOR_KERNELS = 64
 ANNOTATION = "mtpjax_call"
@@ -154,6 +163,55 @@ def split_times(call, iters: int, *, before=None) -> dict:
     return dict(dispatch_us=statistics.median(disp), sync_us=statistics.median(sync))
 
 
+def compiled_alone(compiled, make_args, keep, iters: int) -> dict:
+    """Medians over ``iters`` calls of a donation-split compiled step (``mtpjax.kv.donation``):
+    ``dispatch_us`` and ``sync_us`` of its program alone, and ``python_us``, the wrapper's split
+    of the arguments and join of the result around it. ``make_args()`` gives each call's
+    arguments (untimed) and ``keep`` takes its result (the state the next call starts from)."""
+    disp, sync, py = [], [], []
+    for _ in range(iters):
+        args = make_args()
+        t0 = time.perf_counter()
+        split = compiled._split_args(args)
+        t1 = time.perf_counter()
+        out = compiled._compiled(split.books, *split.args)
+        t2 = time.perf_counter()
+        jax.block_until_ready(out)
+        t3 = time.perf_counter()
+        result = split.result(out)
+        t4 = time.perf_counter()
+        keep(result)
+        disp.append((t2 - t1) * 1e6)
+        sync.append((t3 - t1) * 1e6)
+        py.append((t1 - t0 + t4 - t3) * 1e6)
+    return dict(
+        dispatch_us=statistics.median(disp),
+        sync_us=statistics.median(sync),
+        python_us=statistics.median(py),
+    )
+
+
+def arguments_alone(args: tuple, iters: int) -> dict:
+    """Dispatch and sync of a program that takes ``args``' leaves (kept, not pruned) and returns
+    a constant: what handing that many buffers to a call costs, with no work to launch."""
+    noop = jax.jit(lambda *a: jnp.zeros((), jnp.int32), keep_unused=True)
+    call = lambda: noop(*args)  # noqa: E731
+    for _ in range(3):
+        jax.block_until_ready(call())
+    out = split_times(call, iters)
+    out["leaves"] = len(jax.tree.leaves(args))
+    return out
+
+
+def head_alone(lm, hidden, head_cfg, iters: int) -> dict:
+    """Dispatch and sync of the verify's LM head and argmax over its rows, jitted alone."""
+    fn = jax.jit(lambda h, x: jnp.argmax(lm_head(h, x, cfg=head_cfg), axis=-1))
+    call = lambda: fn(lm, hidden)  # noqa: E731
+    for _ in range(3):
+        jax.block_until_ready(call())
+    return split_times(call, iters)
+
+
 def floors(iters: int) -> dict:
     """A one-op jit and a chain of :data:`FLOOR_KERNELS` dependent small dots, synchronised."""
     x = jnp.ones((8, 128), jnp.float32)
@@ -215,6 +273,15 @@ def measure_point(
     res["propose"]["queued_us"] = harness.time_queued(run)
     res["propose"]["profile"] = profiled(run_propose(prof_p), calls)
     res["propose"]["hlo"] = bp.scan_hlo(comp_p.as_text())
+    res["propose"]["layers"] = dict(
+        program=compiled_alone(
+            comp_p,
+            lambda: (params, lm, holder[0], pairs),
+            lambda r: holder.__setitem__(0, r[-1]),
+            iters,
+        ),
+        arguments=arguments_alone((params, lm, holder[0], pairs), iters),
+    )
 
     # The verify, each after an untimed propose (which it trims back to the context).
     drafted, s = comp_p(params, lm, holder[0], pairs)
@@ -238,7 +305,49 @@ def measure_point(
     res["verify"] = split_times(run_verify(comp_v), iters, before=proposed)
     res["verify"]["profile"] = profiled(run_verify(prof_v), calls, before=proposed)
     res["verify"]["hlo"] = bp.scan_hlo(comp_v.as_text())
+
+    def verify_args():
+        o, st = proposed()
+        return lm, st, hidden, o
+
+    head_cfg = bp.head_config(head, smoke=smoke).lm_head_config()
+    res["verify"]["layers"] = dict(
+        program=compiled_alone(comp_v, verify_args, lambda r: holder.__setitem__(0, r[-1]), iters),
+        arguments=arguments_alone(proposed_args := verify_args(), iters),
+        head=head_alone(lm, hidden, head_cfg, iters),
+    )
+    holder[0] = proposed_args[1]  # not donated by the no-op: the next propose starts from it
+    if variant == "default":
+        res["propose"]["public"], res["verify"]["public"] = public_entry_points(
+            point, built, holder, proposed, iters, smoke=smoke
+        )
     return res
+
+
+def public_entry_points(point, built, holder, proposed, iters: int, *, smoke: bool):
+    """Dispatch and sync of ``mtpjax.drafter.propose`` and ``mtpjax.verify.verify`` called as a
+    caller calls them (their argument checks in Python, then the library's own jitted steps with
+    XLA's default options), against the same state."""
+    head, _, k, _, _ = point
+    _, _, params, lm, _, pairs, hidden = built
+    cfg = bp.head_config(head, smoke=smoke)
+
+    def run_propose():
+        o, holder[0] = drafter.propose(
+            params, lm, holder[0], pairs, cfg=cfg, num_drafts=k, implementation="auto"
+        )
+        return o, holder[0]
+
+    def run_verify(o, st):
+        vo, holder[0] = verify(
+            lm, st, hidden, o, cfg=cfg.lm_head_config(), refeed=True, implementation="auto"
+        )
+        return vo, holder[0]
+
+    for _ in range(3):
+        jax.block_until_ready(run_propose())
+        jax.block_until_ready(run_verify(*proposed()))
+    return split_times(run_propose, iters), split_times(run_verify, iters, before=proposed)
 
 
 def main(argv=None) -> int:
@@ -287,6 +396,25 @@ def _print(r: dict) -> None:
             f"{p.get('after_last_kernel_us', 0):6.0f} events {p['device_events']:.0f} | "
             f"program: {s['hlo']['copies']} copies, {s['hlo']['pallas_kernels']} Pallas kernels"
         )
+        lay = s["layers"]
+        parts = [
+            f"wrapper python {lay['program']['python_us']:5.0f}",
+            f"program alone dispatch {lay['program']['dispatch_us']:6.0f} sync "
+            f"{lay['program']['sync_us']:6.0f}",
+            f"{lay['arguments']['leaves']} argument leaves alone dispatch "
+            f"{lay['arguments']['dispatch_us']:5.0f} sync {lay['arguments']['sync_us']:5.0f}",
+        ]
+        if "head" in lay:
+            parts.append(
+                f"head alone dispatch {lay['head']['dispatch_us']:5.0f} sync "
+                f"{lay['head']['sync_us']:5.0f}"
+            )
+        if "public" in s:
+            parts.append(
+                f"public entry point dispatch {s['public']['dispatch_us']:5.0f} sync "
+                f"{s['public']['sync_us']:5.0f}"
+            )
+        print("      layers: " + " | ".join(parts))
         for h in p["host_events"][:12]:
             print(
                 f"      {h['us_per_call']:8.1f} us {h['count_per_call']:6.1f}x  [{h['thread'][:24]}] {h['name'][:90]}"

@@ -80,3 +80,11 @@ def test_smoke_run_records_every_part(tmp_path):
         assert 0 < s["dispatch_us"] <= s["sync_us"]
         assert s["profile"]["calls"] == 1 and s["profile"]["host_events"]
         assert s["hlo"]["copies"] >= 0 and "custom_calls" in s["hlo"]
+        lay = s["layers"]
+        assert 0 < lay["program"]["dispatch_us"] <= lay["program"]["sync_us"]
+        assert lay["program"]["python_us"] > 0
+        assert lay["arguments"]["leaves"] > 10  # the weights and the state's leaves
+        assert 0 < lay["arguments"]["dispatch_us"] <= lay["arguments"]["sync_us"]
+        assert 0 < s["public"]["dispatch_us"] <= s["public"]["sync_us"]
+    head = rec["verify"]["layers"]["head"]
+    assert 0 < head["dispatch_us"] <= head["sync_us"]
