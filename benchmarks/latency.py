@@ -191,14 +191,18 @@ def compiled_alone(compiled, make_args, keep, iters: int) -> dict:
     )
 
 
+def warmed_times(call, iters: int) -> dict:
+    """:func:`split_times` of ``call`` after three untimed calls (its compile among them)."""
+    for _ in range(3):
+        jax.block_until_ready(call())
+    return split_times(call, iters)
+
+
 def arguments_alone(args: tuple, iters: int) -> dict:
     """Dispatch and sync of a program that takes ``args``' leaves (kept, not pruned) and returns
     a constant: what handing that many buffers to a call costs, with no work to launch."""
     noop = jax.jit(lambda *a: jnp.zeros((), jnp.int32), keep_unused=True)
-    call = lambda: noop(*args)  # noqa: E731
-    for _ in range(3):
-        jax.block_until_ready(call())
-    out = split_times(call, iters)
+    out = warmed_times(lambda: noop(*args), iters)
     out["leaves"] = len(jax.tree.leaves(args))
     return out
 
@@ -206,10 +210,7 @@ def arguments_alone(args: tuple, iters: int) -> dict:
 def head_alone(lm, hidden, head_cfg, iters: int) -> dict:
     """Dispatch and sync of the verify's LM head and argmax over its rows, jitted alone."""
     fn = jax.jit(lambda h, x: jnp.argmax(lm_head(h, x, cfg=head_cfg), axis=-1))
-    call = lambda: fn(lm, hidden)  # noqa: E731
-    for _ in range(3):
-        jax.block_until_ready(call())
-    return split_times(call, iters)
+    return warmed_times(lambda: fn(lm, hidden), iters)
 
 
 def floors(iters: int) -> dict:
