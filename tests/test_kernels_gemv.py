@@ -67,10 +67,14 @@ def test_gemv_one_row_odd_n_k_tail(fmt, compute):
         ("fp8_block", 7, "dot"),
         ("bf16", 6, "dot"),
         ("bf16", 32, "fma"),
+        # BF16 and FP8 per-row take up to 128 rows a pass on the tensor cores.
+        ("bf16", 100, "dot"),
+        ("fp8_row", 64, "dot"),
     ],
 )
 def test_batched_gemv_rows(fmt, m, compute):
-    """Rows 2..8, 16 and 32 stream the weight once; every row matches the reference."""
+    """Rows 2..8, 16, 32 (BF16 and FP8 per-row: up to 128) stream the weight once; every row
+    matches the reference."""
     rng = np.random.default_rng(m * 7 + len(fmt))
     n, k = 96, 256
     lv = leaves(fmt, n, k, rng)
@@ -132,8 +136,13 @@ def test_config_validation(kw):
 def test_rejects_bad_shapes():
     rng = np.random.default_rng(0)
     lv = leaves("bf16", 32, 64, rng)
-    with pytest.raises(ValueError, match="rows"):
-        _kern("bf16", jnp.zeros((33, 64), jnp.bfloat16), *lv)
+    with pytest.raises(ValueError, match=r"bf16 GEMV kernels take 1\.\.128 rows, got 129"):
+        _kern("bf16", jnp.zeros((129, 64), jnp.bfloat16), *lv)
+    with pytest.raises(ValueError, match=r"compute='fma' takes 1\.\.32 rows, got 33"):
+        _kern("bf16", jnp.zeros((33, 64), jnp.bfloat16), *lv, config=G.GemvConfig(compute="fma"))
+    nv = leaves("nvfp4", 32, 64, rng)
+    with pytest.raises(ValueError, match=r"nvfp4 GEMV kernels take 1\.\.32 rows, got 33"):
+        _kern("nvfp4", jnp.zeros((33, 64), jnp.bfloat16), *nv)
     with pytest.raises(ValueError, match="x must be"):
         _kern("bf16", jnp.zeros((1, 65), jnp.bfloat16), *lv)
     q, s = leaves("fp8_block", 200, 256, rng)

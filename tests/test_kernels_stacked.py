@@ -5,8 +5,6 @@ the whole stack as its operand, so XLA makes no per-layer copy."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,6 @@ from kernel_helpers import INTERPRET
 
 from mtpjax.weights import dequantize, linear, quantize
 from pallas_kernels import MOSAIC_GPU, TRITON, Nvfp4Weight, StackedWeight, linear_backend
-from pallas_kernels import _common as C
 from pallas_kernels._linear import mosaic_gpu as GM
 from pallas_kernels._linear import triton
 
@@ -43,9 +40,9 @@ def _expected(backend, x, w):
     from the Triton GEMV's dot threshold to one GEMV pass the entry alone would take the XLA
     dot, where the stack's entry stays on the GEMV."""
     rows = x.shape[0]
-    if backend is TRITON and triton.DOT_FROM_ROWS <= rows <= triton.STACKED_GEMV_MAX_ROWS:
-        gemv = functools.partial(triton.gemv, w=w, interpret=INTERPRET)
-        return C.in_row_chunks(gemv, x, triton.MAX_ROWS, w.out_features)
+    one_pass = triton.STACKED_GEMV_MAX_ROWS.get(w.format, 0)
+    if backend is TRITON and triton.DOT_FROM_ROWS <= rows <= one_pass:
+        return triton.gemv(x, w, interpret=INTERPRET)
     return backend(x, w, interpret=INTERPRET)
 
 
@@ -55,8 +52,8 @@ def _expected(backend, x, w):
     [(MOSAIC_GPU, f, r, (256, 512)) for f in ("nvfp4", "fp8", "fp8_block") for r in (1, 8)]
     + [(TRITON, f, r, (200, 384)) for f in ("bf16", "fp8", "fp8_block", "nvfp4") for r in (1, 4)]
     # BF16 and FP8 per-row entries stay on the GEMV past its 9-row dot threshold up to one
-    # pass (32 rows); from 33 rows they take the XLA dot on the sliced entry.
-    + [(TRITON, f, r, (200, 384)) for f in ("bf16", "fp8") for r in (16, 32, 40)],
+    # pass (128 rows); from 129 rows they take the XLA dot on the sliced entry.
+    + [(TRITON, f, r, (200, 384)) for f in ("bf16", "fp8") for r in (16, 40, 128, 129)],
     ids=lambda v: getattr(v, "name", v),
 )
 def test_entry_of_a_stack_equals_the_entry_alone(backend, fmt, rows, shape):
@@ -128,13 +125,23 @@ def test_mosaic_lowering_takes_the_whole_stack(fmt):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "fmt, rows", [("bf16", 1), ("bf16", 4), ("bf16", 32), ("fp8", 1), ("nvfp4", 4), ("nvfp4", 96)]
+    "fmt, rows, n",
+    [
+        ("bf16", 1, 4096),
+        ("bf16", 4, 4096),
+        ("bf16", 32, 4096),
+        ("fp8", 1, 4096),
+        ("nvfp4", 4, 4096),
+        ("nvfp4", 96, 4096),
+        # 128 rows in one pass: split-K partial sums of 34 MB, so an entry of 128 MB.
+        ("bf16", 128, 8192),
+    ],
 )
-def test_a_scan_over_layers_copies_no_layer_on_gpu(fmt, rows):
+def test_a_scan_over_layers_copies_no_layer_on_gpu(fmt, rows, n):
     """Compiled for the GPU, the scan's temporaries stay below one layer's weight (a sliced-out
     layer would be copied whole before the kernel), and every entry's product is the entry
     alone's on the same kernel."""
-    n = k = 4096
+    k = n
     stack, entries = _stack(fmt, n, k)
     x = jax.random.normal(jax.random.key(0), (rows, k)).astype(jnp.bfloat16)
 
@@ -146,7 +153,7 @@ def test_a_scan_over_layers_copies_no_layer_on_gpu(fmt, rows):
 
     compiled = jax.jit(layers).lower(x, stack).compile()
     # A copied layer would take a whole entry; the kernels' own temporaries (split-K partial
-    # sums, split x rows x N F32: 8 MB at 32 rows) stay well below it.
+    # sums, split x rows x N F32: 8 MB at 32 rows, 34 MB at 128) stay well below it.
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < entries[0].nbytes // 2, (temp, entries[0].nbytes)
     got = np.asarray(compiled(x, stack))

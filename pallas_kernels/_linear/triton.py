@@ -2,14 +2,15 @@
 
 One kernel family: a grid over blocks of ``block_n`` weight rows (times ``split_k`` slices of K);
 each program streams its rows once, K in ``block_k`` steps, for every activation row at once, so
-M = 2..32 rows cost one pass over the weight. Two ways to do the multiply-add:
+M = 2..32 rows (BF16 and FP8 per-row: 2..128) cost one pass over the weight. Two ways to do the
+multiply-add:
 
 * ``compute="fma"``: dequantise to F32 and reduce with FMAs (best for one or two rows);
 * ``compute="dot"``: dequantise to a float16 (BF16 for BF16 weights) tile and use the tensor
   cores with the rows padded to 16 (``pl.dot``), the batched-GEMV form.
 
 Shapes (the weight pytrees' leaves):
-  x:         bf16[M, K]                      activations, M <= 32
+  x:         bf16[M, K]                      activations, M <= max_rows(format)
   w:         bf16[N, K]                      BF16
   q, scale:  float8_e4m3fn[N, K], f32[N]      FP8 per-row
   q, s_inv:  float8_e4m3fn[N, K], f32[ceil(N/128), ceil(K/128)]   FP8 block-128
@@ -44,14 +45,23 @@ from pallas_kernels._linear.base import (
     compute_capability,
 )
 
+#: Rows of one GEMV pass for NVFP4 and FP8 block-128 weights; more take row chunks.
 MAX_ROWS = 32
+#: Rows of one pass for BF16 and FP8 per-row weights on the tensor-core path: the accumulator is
+#: ``block_n * m_pad / (32 * num_warps)`` F32 registers per thread, 64 at 128 rows.
+WIDE_MAX_ROWS = 128
 #: BF16 and FP8 per-row weights take an XLA dot on BF16 operands from this many rows.
 DOT_FROM_ROWS = 9
-#: ... except an entry of a stacked weight up to this many rows (one GEMV pass): the dot reads
-#: a copy of the entry sliced out of the stack, the GEMV the stack in place. Measured on the
-#: H200 (a 64-layer 27B-shape target step, see BENCHMARKS.md): 32 rows, 21 ms on the GEMV
-#: against 45 ms through the copy; 128 rows, 90 ms as four GEMV chunks against 63 ms.
-STACKED_GEMV_MAX_ROWS = MAX_ROWS
+#: ... except an entry of a stacked weight up to this many rows, read in place in one GEMV pass,
+#: where the dot reads a copy of the entry sliced out of the stack. Measured on the H200
+#: (``benchmarks.stacked_rows``, the dense 27B layer's projections): at 128 rows the one pass
+#: takes 0.46-0.62x the time of the copy and the dot, at 64 rows 0.37-0.51x.
+STACKED_GEMV_MAX_ROWS = {WeightFormat.BF16: WIDE_MAX_ROWS, WeightFormat.FP8: WIDE_MAX_ROWS}
+
+
+def max_rows(fmt: str) -> int:
+    """Rows one GEMV pass takes for weight format ``fmt`` (its name)."""
+    return WIDE_MAX_ROWS if fmt in ("bf16", "fp8") else MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +75,8 @@ class GemvConfig:
       split_k: number of K slices run as separate programs and summed afterwards (fills the
         GPU when N is small).
       num_warps, num_stages: Triton launch parameters.
-      compute: "fma" (F32 FMAs per row) or "dot" (tensor cores, rows padded to 16).
+      compute: "fma" (F32 FMAs per row) or "dot" (tensor cores, rows padded to a power of two
+        of at least 16).
       decode: NVFP4 nibble decoder, "asm" (inline PTX) or "arith" (integer ops; also the
         interpret-mode path).
       prefetch: issue the loads of step i+1 before the math of step i (loop-carried registers).
@@ -104,9 +115,13 @@ _NUM_SMS = 132
 
 
 def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
-    """Heuristic tiles (measured on H200): enough programs to fill 132 SMs several times."""
-    warps = 4
-    if fmt == "bf16":
+    """Heuristic tiles (measured on H200): enough programs to fill 132 SMs several times. Past
+    32 rows (BF16 and FP8 per-row) 64-wide K steps four stages deep: the activation tile
+    (``m_pad x block_k``) grows with the rows and the weight tile does not."""
+    warps, stages = 4, 3
+    if m > MAX_ROWS:
+        compute, block_n, block_k, stages = "dot", 64, 64, 4
+    elif fmt == "bf16":
         compute, block_n, block_k = "dot", 64, 128
     elif fmt == "fp8_block":
         compute, block_n, block_k = "dot", 64, 256
@@ -126,7 +141,7 @@ def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
         block_k=block_k,
         split_k=split_k,
         num_warps=warps,
-        num_stages=3,
+        num_stages=stages,
         compute=compute,
         decode="asm",
         prefetch=fmt == "nvfp4" and compute == "dot",
@@ -367,9 +382,11 @@ def _gemv(
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}], got {x.shape}")
     m = x.shape[0]
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"GEMV kernels take 1..{MAX_ROWS} rows, got {m}")
+    if not 1 <= m <= max_rows(fmt):
+        raise ValueError(f"{fmt} GEMV kernels take 1..{max_rows(fmt)} rows, got {m}")
     cfg = config or default_config(fmt, m, n, k)
+    if cfg.compute == "fma" and m > MAX_ROWS:  # one F32 accumulator per row, unrolled
+        raise ValueError(f"compute='fma' takes 1..{MAX_ROWS} rows, got {m}")
     if fmt == "fp8_block" and (cfg.block_n > 128 or cfg.block_k % 128):
         raise ValueError("FP8 block-128 needs block_n <= 128 and block_k a multiple of 128")
     bn, bk = cfg.block_n, cfg.block_k
@@ -440,7 +457,7 @@ def gemv(
     config: GemvConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``x: bf16[M, K]`` (M <= 32) times one ``[N, K]`` weight of any format (or an entry of a
+    """``x: bf16[M, K]`` (M <= ``max_rows`` of its format) times one ``[N, K]`` weight of any format (or an entry of a
     stack of them: its codes read in place, its small scales sliced) -> f32[M, N]."""
     n, k = w.shape
     index = None
@@ -478,13 +495,13 @@ def bf16_operands_dot(x: jax.Array, w: Bf16Weight | Fp8RowWeight | StackedWeight
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TritonLinear:
-    """The Triton GEMV for up to 32 rows at a time (row chunks beyond).
+    """The Triton GEMV, up to :func:`max_rows` rows a pass (row chunks beyond).
 
     Row heuristic (measured on the H200): BF16 and FP8 per-row weights take the GEMV for 1..8
     rows and from 9 rows one XLA dot on BF16 operands (FP8 widened inside its fusion); an entry
-    of a stacked weight takes the GEMV up to :data:`STACKED_GEMV_MAX_ROWS` rows. NVFP4 and
-    FP8 block-128 have no fused XLA decode (dequantise-then-dot writes and re-reads the weight
-    in BF16, 8x slower than a GEMV pass), so they take the GEMV over 32-row chunks.
+    of a stacked weight takes the GEMV in one pass up to :data:`STACKED_GEMV_MAX_ROWS` rows.
+    NVFP4 and FP8 block-128 have no fused XLA decode (dequantise-then-dot writes and re-reads
+    the weight in BF16, 8x slower than a GEMV pass), so they take the GEMV over 32-row chunks.
     """
 
     name: str = "triton"
@@ -501,15 +518,11 @@ class TritonLinear:
 
     def __call__(self, x, w, *, config=None, interpret=False):
         rows = x.shape[0]
-        in_place = isinstance(w, StackedWeight) and rows <= STACKED_GEMV_MAX_ROWS
-        if (
-            rows >= DOT_FROM_ROWS
-            and not in_place
-            and w.format in (WeightFormat.BF16, WeightFormat.FP8)
-        ):
+        in_place = isinstance(w, StackedWeight) and rows <= STACKED_GEMV_MAX_ROWS.get(w.format, 0)
+        if rows >= DOT_FROM_ROWS and not in_place and w.format in STACKED_GEMV_MAX_ROWS:
             return bf16_operands_dot(x, w)
         kernel = functools.partial(gemv, w=w, config=config, interpret=interpret)
-        return C.in_row_chunks(kernel, x, MAX_ROWS, w.out_features)
+        return C.in_row_chunks(kernel, x, max_rows(w.format.value), w.out_features)
 
 
 TRITON = TritonLinear()

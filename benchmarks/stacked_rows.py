@@ -1,0 +1,273 @@
+"""Many-row projections of a stacked weight: what a target's verify step pays per layer.
+
+    python -m benchmarks.stacked_rows --json $OUT/stacked_rows_h200.json
+
+A target scans its layers over weights stacked ``[L, N, K]``; its verify step at B sequences and
+K drafts projects ``B (K + 1)`` rows through each layer's entry. Per weight format (BF16, FP8
+per-row), projection shape of the dense Qwen3.5-27B layer and row count this times a
+``lax.scan`` over ``L`` entries of one stack, each step one projection of the same rows (their
+outputs summed, so the result is small), and reports µs per entry against the entry's bytes at
+the run's copy bandwidth, with each program's temporary bytes (an entry copied out of the stack
+shows there):
+
+* ``xla_copy``: one XLA dot on BF16 operands of each entry (``bf16_operands_dot``), the path
+  ``linear`` takes past ``STACKED_GEMV_MAX_ROWS`` rows: XLA:GPU copies the entry out of the
+  stack for its GEMM;
+* ``xla_copy_dsf`` (BF16): the same program compiled with
+  ``xla_gpu_enable_dynamic_slice_fusion``, XLA's option for GEMMs that read a slice in place;
+* ``xla_plain``: the same dot of an unstacked ``[N, K]`` weight, no slice (the GEMM's own time);
+* ``linear``: ``linear(x, StackedWeight, implementation="pallas")``, what the library runs;
+* ``triton_default``: the Triton GEMV at its heuristic tile (FP8's ``linear`` takes the
+  Mosaic kernel where the shape allows);
+* ``triton`` (BF16) per ``TRITON_TILES``: the Triton GEMV at that tile, reading the stack in
+  place, all rows in one pass.
+
+``--smoke``: tiny shapes on the CPU (interpret mode), the plumbing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+from benchmarks import harness
+
+#: The dense 27B layer's projections, ``(name, N, K)``.
+SHAPES = (("q", 12288, 5120), ("gate", 17408, 5120), ("down", 5120, 17408), ("o", 5120, 6144))
+SMOKE_SHAPES = (("small", 128, 256),)
+ROWS = (32, 64, 128)
+#: Triton tiles tried at each row count beside the heuristic's: (block_n, block_k, warps, stages,
+#: split_k); a split of None is the heuristic's (enough programs to fill the GPU four times),
+#: whose partial sums (split x rows x N F32) reach ~17 MB per projection at 128 rows.
+TRITON_TILES = (
+    (64, 128, 4, 3, None),
+    (64, 64, 4, 4, None),
+    (128, 64, 8, 3, None),
+    (128, 128, 8, 3, None),
+    (64, 128, 4, 4, None),
+    (128, 64, 4, 3, None),
+    (64, 64, 4, 4, 1),
+    (64, 64, 4, 4, 2),
+)
+
+
+def _scan_over(stack_fn, x, layers: int):
+    """A jitted-able scan: sum over entries i of ``stack_fn(x, i)``."""
+    import jax
+    import jax.numpy as jnp
+
+    def body(acc, i):
+        return acc + stack_fn(x, i), None
+
+    n = stack_fn(x, jnp.int32(0)).shape
+    acc, _ = jax.lax.scan(body, jnp.zeros(n, jnp.float32), jnp.arange(layers, dtype=jnp.int32))
+    return acc
+
+
+def _time(fn, args, *, options, smoke: bool):
+    """µs per call of ``jax.jit(fn)`` compiled with ``options``, queued back to back, the
+    program's temporary bytes (an entry copied out of the stack shows there) and its output."""
+    import jax
+
+    compiled = jax.jit(fn).lower(*args).compile(compiler_options=options)
+    out = jax.block_until_ready(compiled(*args))
+    us = harness.time_queued(lambda: compiled(*args), **(harness.SMOKE_CALLS if smoke else {}))
+    mem = compiled.memory_analysis()
+    return us, None if mem is None else int(mem.temp_size_in_bytes), out
+
+
+def _filled(cfg, n: int, k: int):
+    """``cfg`` with the heuristic's split of K: enough programs to fill the GPU four times."""
+    from pallas_kernels import _common as C
+    from pallas_kernels._linear import triton as T
+
+    programs, iters, split = C.cdiv(n, cfg.block_n), C.cdiv(k, cfg.block_k), 1
+    while programs * split < 4 * T._NUM_SMS and split * 2 <= iters:
+        split *= 2
+    return dataclasses.replace(cfg, split_k=split)
+
+
+def _stack(fmt: str, layers: int, n: int, k: int):
+    """A stacked ``[layers, n, k]`` weight of ``fmt`` (random) and its entry 0 as a weight of
+    its own (buffers apart from the stack's)."""
+    import jax
+    import jax.numpy as jnp
+
+    from mtpjax.weights import quantize
+
+    entries = [
+        quantize(jax.random.normal(jax.random.key(n + k + i), (n, k), jnp.float32) * 0.05, fmt)
+        for i in range(layers)
+    ]
+    stack = jax.tree.map(lambda *a: jnp.stack(a), *entries)
+    return stack, entries[0]
+
+
+def _variants(fmt: str, interpret: bool):
+    """``(name, tile or None, fn(x, stack, plain, layers))``: the timed programs of ``fmt``;
+    a tile's program is built per shape (``_tile_fn``)."""
+    import jax.numpy as jnp
+
+    from mtpjax.weights import linear
+    from pallas_kernels._linear import triton as T
+    from pallas_kernels._linear.base import StackedWeight
+
+    def copy(x, stack, plain, layers):
+        return _scan_over(
+            lambda x, i: T.bf16_operands_dot(x, StackedWeight(stack=stack, index=i)), x, layers
+        )
+
+    def xla_plain(x, stack, plain, layers):
+        return _scan_over(lambda x, i: T.bf16_operands_dot(x, plain), x, layers)
+
+    def dispatched(x, stack, plain, layers):
+        def one(x, i):
+            w = StackedWeight(stack=stack, index=i)
+            return linear(x, w, out_dtype=jnp.float32, implementation="pallas")
+
+        return _scan_over(one, x, layers)
+
+    out = [("xla_copy", None, copy)]
+    if fmt == "bf16":
+        out.append(("xla_copy_dsf", None, copy))
+    out += [("xla_plain", None, xla_plain), ("linear", None, dispatched)]
+    out.append(("triton_default", None, _tile_fn(fmt, None, interpret)))
+    if fmt == "bf16":
+        for bn, bk, warps, stages, split in TRITON_TILES:
+            cfg = T.GemvConfig(
+                block_n=bn,
+                block_k=bk,
+                num_warps=warps,
+                num_stages=stages,
+                split_k=split or 1,
+                compute="dot",
+            )
+            out.append(("triton", (cfg, split is None), None))
+    del interpret
+    return out
+
+
+def _tile_fn(fmt: str, cfg, interpret: bool):
+    """The Triton GEMV with tile ``cfg`` over the stack's entries."""
+    from pallas_kernels._linear import triton as T
+    from pallas_kernels._linear.base import StackedWeight
+
+    def fn(x, stack, plain, layers):
+        def one(x, i):
+            return T.gemv(x, StackedWeight(stack=stack, index=i), config=cfg, interpret=interpret)
+
+        return _scan_over(one, x, layers)
+
+    return fn
+
+
+def run(args) -> list[dict]:
+    import dataclasses as dc
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    smoke = args.smoke
+    interpret = smoke
+    bw = harness.copy_bandwidth(smoke=smoke)
+    records = [dict(kind="copy_bandwidth", **bw)]
+    shapes = SMOKE_SHAPES if smoke else SHAPES
+    start = time.time()
+    for fmt in args.formats:
+        for name, n, k in shapes:
+            stack, plain = _stack(fmt, args.layers, n, k)
+            nbytes = plain.nbytes
+            for rows in args.rows:
+                x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
+                reference = (
+                    None  # xla_copy's sum over the entries, which every stack read must give
+                )
+                for vname, cfg, fn in _variants(fmt, interpret):
+                    rec = dict(kind="projection", format=fmt, shape=name, n=n, k=k, rows=rows)
+                    rec.update(variant=vname, layers=args.layers)
+                    if time.time() - start > args.budget_s:
+                        records.append(dict(rec, kind="skipped"))
+                        continue
+                    if cfg is not None:
+                        cfg, fill = cfg
+                        cfg = _filled(cfg, n, k) if fill else cfg
+                        fn = _tile_fn(fmt, cfg, interpret)
+                        rec["config"] = dc.asdict(cfg)
+                    options = (
+                        {"xla_gpu_enable_dynamic_slice_fusion": True}
+                        if vname == "xla_copy_dsf" and not smoke
+                        else None
+                    )
+                    rec["compiler_options"] = options
+                    try:
+                        us, temp, out = _time(
+                            lambda x, s, p, fn=fn: fn(x, s, p, args.layers),
+                            (x, stack, plain),
+                            options=options,
+                            smoke=smoke,
+                        )
+                        per = us / args.layers
+                        ideal = nbytes / (bw["gbps"] * 1e3)  # the entry read once at copy speed
+                        rec.update(us_per_entry=per, ideal_us=ideal, ratio_to_ideal=per / ideal)
+                        rec.update(temp_bytes=temp)
+                        if vname == "xla_copy":
+                            reference = np.asarray(out)
+                        elif vname != "xla_plain" and reference is not None:
+                            err = np.abs(np.asarray(out) - reference).max()
+                            rec["max_rel_err"] = float(err / np.abs(reference).max())
+                    except Exception as e:  # a tile that fails to lower is recorded, not fatal
+                        rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+                    records.append(rec)
+                    print(_line(rec), flush=True)
+            del stack, plain
+    return records
+
+
+def _line(r: dict) -> str:
+    cfg = r.get("config")
+    tile = "" if not isinstance(cfg, dict) else (
+        f" {cfg['block_n']}x{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        f" split{cfg['split_k']}"
+    )  # fmt: skip
+    what = f"{r['format']:5} {r['shape']:5} rows {r['rows']:4} {r['variant']:13}{tile}"
+    if "error" in r:
+        return f"{what}: {r['error'][:120]}"
+    err = f", rel err {r['max_rel_err']:.1e}" if "max_rel_err" in r else ""
+    return f"{what}: {r['us_per_entry']:8.1f} µs/entry, {r['ratio_to_ideal']:.2f}x the read{err}"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", default=str(harness.REPO / "benchmarks/results/stacked_rows.json"))
+    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=list(ROWS))
+    p.add_argument("--formats", type=lambda s: s.split(","), default=["bf16", "fp8"])
+    p.add_argument("--layers", type=int, default=None, help="entries per stack (4; smoke 2)")
+    p.add_argument("--budget-s", type=float, default=400.0)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    args = p.parse_args(argv)
+    if args.smoke and "--formats" not in argv:
+        args.formats = ["bf16"]  # FP8 takes the Mosaic kernel, slow to interpret
+    if args.smoke and "--rows" not in argv:
+        args.rows = [4, 40]
+    if args.layers is None:
+        args.layers = 2 if args.smoke else 4
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.smoke:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    records = run(args)
+    harness.write_records(args.json, records, harness.run_info("benchmarks.stacked_rows", argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
