@@ -78,17 +78,6 @@ def _time(fn, args, *, options, smoke: bool):
     return us, None if mem is None else int(mem.temp_size_in_bytes), out
 
 
-def _filled(cfg, n: int, k: int):
-    """``cfg`` with the heuristic's split of K: enough programs to fill the GPU four times."""
-    from pallas_kernels import _common as C
-    from pallas_kernels._linear import triton as T
-
-    programs, iters, split = C.cdiv(n, cfg.block_n), C.cdiv(k, cfg.block_k), 1
-    while programs * split < 4 * T._NUM_SMS and split * 2 <= iters:
-        split *= 2
-    return dataclasses.replace(cfg, split_k=split)
-
-
 def _stack(fmt: str, layers: int, n: int, k: int):
     """A stacked ``[layers, n, k]`` weight of ``fmt`` (random) and its entry 0 as a weight of
     its own (buffers apart from the stack's)."""
@@ -106,8 +95,9 @@ def _stack(fmt: str, layers: int, n: int, k: int):
 
 
 def _variants(fmt: str, interpret: bool):
-    """``(name, tile or None, fn(x, stack, plain, layers))``: the timed programs of ``fmt``;
-    a tile's program is built per shape (``_tile_fn``)."""
+    """``(name, tile, fn(x, stack, plain, layers))``: the timed programs of ``fmt``. A tile is
+    None or ``(GemvConfig, whether its split is the heuristic's)``; its program is built per
+    shape (``_tile_fn``), where that split is resolved."""
     import jax.numpy as jnp
 
     from mtpjax.weights import linear
@@ -133,7 +123,7 @@ def _variants(fmt: str, interpret: bool):
     if fmt == "bf16":
         out.append(("xla_copy_dsf", None, copy))
     out += [("xla_plain", None, xla_plain), ("linear", None, dispatched)]
-    out.append(("triton_default", None, _tile_fn(fmt, None, interpret)))
+    out.append(("triton_default", None, _tile_fn(None, interpret)))
     if fmt == "bf16":
         for bn, bk, warps, stages, split in TRITON_TILES:
             cfg = T.GemvConfig(
@@ -145,11 +135,10 @@ def _variants(fmt: str, interpret: bool):
                 compute="dot",
             )
             out.append(("triton", (cfg, split is None), None))
-    del interpret
     return out
 
 
-def _tile_fn(fmt: str, cfg, interpret: bool):
+def _tile_fn(cfg, interpret: bool):
     """The Triton GEMV with tile ``cfg`` over the stack's entries."""
     from pallas_kernels._linear import triton as T
     from pallas_kernels._linear.base import StackedWeight
@@ -164,11 +153,11 @@ def _tile_fn(fmt: str, cfg, interpret: bool):
 
 
 def run(args) -> list[dict]:
-    import dataclasses as dc
-
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from pallas_kernels._linear import triton as T
 
     smoke = args.smoke
     interpret = smoke
@@ -193,9 +182,11 @@ def run(args) -> list[dict]:
                         continue
                     if cfg is not None:
                         cfg, fill = cfg
-                        cfg = _filled(cfg, n, k) if fill else cfg
-                        fn = _tile_fn(fmt, cfg, interpret)
-                        rec["config"] = dc.asdict(cfg)
+                        if fill:
+                            split = T.filling_split(n, k, cfg.block_n, cfg.block_k)
+                            cfg = dataclasses.replace(cfg, split_k=split)
+                        fn = _tile_fn(cfg, interpret)
+                        rec["config"] = dataclasses.asdict(cfg)
                     options = (
                         {"xla_gpu_enable_dynamic_slice_fusion": True}
                         if vname == "xla_copy_dsf" and not smoke

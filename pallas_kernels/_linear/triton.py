@@ -114,6 +114,15 @@ class GemvConfig:
 _NUM_SMS = 132
 
 
+def filling_split(n: int, k: int, block_n: int, block_k: int) -> int:
+    """The heuristic's ``split_k``: doubled while the grid has fewer than four programs per SM
+    and each slice keeps at least one K step."""
+    programs, iters, split = C.cdiv(n, block_n), C.cdiv(k, block_k), 1
+    while programs * split < 4 * _NUM_SMS and split * 2 <= iters:
+        split *= 2
+    return split
+
+
 def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
     """Heuristic tiles (measured on H200): enough programs to fill 132 SMs several times. Past
     32 rows (BF16 and FP8 per-row) 64-wide K steps four stages deep: the activation tile
@@ -131,15 +140,10 @@ def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
     else:
         compute, block_n, block_k = ("fma", 32, 512) if m <= 2 else ("dot", 64, 256)
     block_k = min(block_k, max(128, C.next_pow2(k)))
-    programs = C.cdiv(n, block_n)
-    iters = C.cdiv(k, block_k)
-    split_k = 1
-    while programs * split_k < 4 * _NUM_SMS and split_k * 2 <= iters:
-        split_k *= 2
     return GemvConfig(
         block_n=block_n,
         block_k=block_k,
-        split_k=split_k,
+        split_k=filling_split(n, k, block_n, block_k),
         num_warps=warps,
         num_stages=stages,
         compute=compute,
