@@ -19,8 +19,8 @@ shows there):
 * ``linear``: ``linear(x, StackedWeight, implementation="pallas")``, what the library runs;
 * ``triton_default``: the Triton GEMV at its heuristic tile (FP8's ``linear`` takes the
   Mosaic kernel where the shape allows);
-* ``triton`` (BF16) per ``TRITON_TILES``: the Triton GEMV at that tile, reading the stack in
-  place, all rows in one pass.
+* ``triton`` (BF16) per ``TRITON_TILES`` (``--tiles split``: ``SPLIT_TILES``): the Triton GEMV
+  at that tile, reading the stack in place, all rows in one pass.
 
 ``--smoke``: tiny shapes on the CPU (interpret mode), the plumbing only.
 """
@@ -35,7 +35,13 @@ import time
 from benchmarks import harness
 
 #: The dense 27B layer's projections, ``(name, N, K)``.
-SHAPES = (("q", 12288, 5120), ("gate", 17408, 5120), ("down", 5120, 17408), ("o", 5120, 6144))
+SHAPES = (
+    ("q", 12288, 5120),
+    ("k", 1024, 5120),  # and v
+    ("gate", 17408, 5120),  # and up
+    ("down", 5120, 17408),
+    ("o", 5120, 6144),
+)
 SMOKE_SHAPES = (("small", 128, 256),)
 ROWS = (32, 64, 128)
 #: Triton tiles tried at each row count beside the heuristic's: (block_n, block_k, warps, stages,
@@ -51,6 +57,8 @@ TRITON_TILES = (
     (64, 64, 4, 4, 1),
     (64, 64, 4, 4, 2),
 )
+#: ``--tiles split``: the default tile past 32 rows at the filling split, one and two slices.
+SPLIT_TILES = tuple(t for t in TRITON_TILES if t[:4] == (64, 64, 4, 4))
 
 
 def _scan_over(stack_fn, x, layers: int):
@@ -94,7 +102,7 @@ def _stack(fmt: str, layers: int, n: int, k: int):
     return stack, entries[0]
 
 
-def _variants(fmt: str, interpret: bool):
+def _variants(fmt: str, interpret: bool, tiles=TRITON_TILES):
     """``(name, tile, fn(x, stack, plain, layers))``: the timed programs of ``fmt``. A tile is
     None or ``(GemvConfig, whether its split is the heuristic's)``; its program is built per
     shape (``_tile_fn``), where that split is resolved."""
@@ -125,7 +133,7 @@ def _variants(fmt: str, interpret: bool):
     out += [("xla_plain", None, xla_plain), ("linear", None, dispatched)]
     out.append(("triton_default", None, _tile_fn(None, interpret)))
     if fmt == "bf16":
-        for bn, bk, warps, stages, split in TRITON_TILES:
+        for bn, bk, warps, stages, split in tiles:
             cfg = T.GemvConfig(
                 block_n=bn,
                 block_k=bk,
@@ -174,7 +182,8 @@ def run(args) -> list[dict]:
                 reference = (
                     None  # xla_copy's sum over the entries, which every stack read must give
                 )
-                for vname, cfg, fn in _variants(fmt, interpret):
+                tiles = SPLIT_TILES if args.tiles == "split" else TRITON_TILES
+                for vname, cfg, fn in _variants(fmt, interpret, tiles):
                     rec = dict(kind="projection", format=fmt, shape=name, n=n, k=k, rows=rows)
                     rec.update(variant=vname, layers=args.layers)
                     if time.time() - start > args.budget_s:
@@ -235,6 +244,7 @@ def parse_args(argv):
     p.add_argument("--json", default=str(harness.REPO / "benchmarks/results/stacked_rows.json"))
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=list(ROWS))
     p.add_argument("--formats", type=lambda s: s.split(","), default=["bf16", "fp8"])
+    p.add_argument("--tiles", choices=("all", "split"), default="all", help="BF16 tiles timed")
     p.add_argument("--layers", type=int, default=None, help="entries per stack (4; smoke 2)")
     p.add_argument("--budget-s", type=float, default=400.0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
