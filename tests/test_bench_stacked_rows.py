@@ -7,7 +7,8 @@ from benchmarks import stacked_rows
 
 def test_smoke_times_every_variant_and_checks_each_stack_read(tmp_path):
     out = tmp_path / "stacked.json"
-    assert stacked_rows.main(["--smoke", "--json", str(out)]) == 0
+    argv = ["--smoke", "--rows", "4,40", "--tiles", "split", "--json", str(out)]
+    assert stacked_rows.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["run"]["command"].startswith("python -m benchmarks.stacked_rows --smoke")
     records = [r for r in data["records"] if r["kind"] == "projection"]
@@ -18,7 +19,7 @@ def test_smoke_times_every_variant_and_checks_each_stack_read(tmp_path):
     for rows in (4, 40):
         at = [r for r in records if r["rows"] == rows]
         assert {r["variant"] for r in at} == want
-        assert len([r for r in at if r["variant"] == "triton"]) == len(stacked_rows.TRITON_TILES)
+        assert len([r for r in at if r["variant"] == "triton"]) == len(stacked_rows.SPLIT_TILES)
     for r in records:
         assert r["us_per_entry"] > 0 and r["ratio_to_ideal"] > 0 and r["temp_bytes"] is not None
         # Each program that reads the stack in place sums the same products as the copy path.
