@@ -40,8 +40,8 @@ def _expected(backend, x, w):
     from the Triton GEMV's dot threshold to one GEMV pass the entry alone would take the XLA
     dot, where the stack's entry stays on the GEMV."""
     rows = x.shape[0]
-    one_pass = triton.STACKED_GEMV_MAX_ROWS.get(w.format, 0)
-    if backend is TRITON and triton.DOT_FROM_ROWS <= rows <= one_pass:
+    in_place = w.format in triton.XLA_DOT_FORMATS and rows <= triton.STACKED_GEMV_MAX_ROWS
+    if backend is TRITON and rows >= triton.DOT_FROM_ROWS and in_place:
         return triton.gemv(x, w, interpret=INTERPRET)
     return backend(x, w, interpret=INTERPRET)
 

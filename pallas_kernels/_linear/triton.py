@@ -50,18 +50,20 @@ MAX_ROWS = 32
 #: Rows of one pass for BF16 and FP8 per-row weights on the tensor-core path: the accumulator is
 #: ``block_n * m_pad / (32 * num_warps)`` F32 registers per thread, 64 at 128 rows.
 WIDE_MAX_ROWS = 128
-#: BF16 and FP8 per-row weights take an XLA dot on BF16 operands from this many rows.
+#: The formats with a fused XLA decode, which take an XLA dot on BF16 operands (FP8 widened
+#: inside its fusion) from :data:`DOT_FROM_ROWS` rows.
+XLA_DOT_FORMATS = (WeightFormat.BF16, WeightFormat.FP8)
 DOT_FROM_ROWS = 9
 #: ... except an entry of a stacked weight up to this many rows, read in place in one GEMV pass,
 #: where the dot reads a copy of the entry sliced out of the stack. Measured on the H200
-#: (``benchmarks.stacked_rows``, the dense 27B layer's projections): at 128 rows the one pass
-#: takes 0.46-0.62x the time of the copy and the dot, at 64 rows 0.37-0.51x.
-STACKED_GEMV_MAX_ROWS = {WeightFormat.BF16: WIDE_MAX_ROWS, WeightFormat.FP8: WIDE_MAX_ROWS}
+#: (``benchmarks.stacked_rows``, the dense 27B layer's BF16 projections): the one pass takes
+#: 0.48-0.67x the time of the copy and the dot at 128 rows, 0.38-0.48x at 64.
+STACKED_GEMV_MAX_ROWS = WIDE_MAX_ROWS
 
 
 def max_rows(fmt: str) -> int:
     """Rows one GEMV pass takes for weight format ``fmt`` (its name)."""
-    return WIDE_MAX_ROWS if fmt in ("bf16", "fp8") else MAX_ROWS
+    return WIDE_MAX_ROWS if WeightFormat(fmt) in XLA_DOT_FORMATS else MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -522,8 +524,8 @@ class TritonLinear:
 
     def __call__(self, x, w, *, config=None, interpret=False):
         rows = x.shape[0]
-        in_place = isinstance(w, StackedWeight) and rows <= STACKED_GEMV_MAX_ROWS.get(w.format, 0)
-        if rows >= DOT_FROM_ROWS and not in_place and w.format in STACKED_GEMV_MAX_ROWS:
+        in_place = isinstance(w, StackedWeight) and rows <= STACKED_GEMV_MAX_ROWS
+        if rows >= DOT_FROM_ROWS and not in_place and w.format in XLA_DOT_FORMATS:
             return bf16_operands_dot(x, w)
         kernel = functools.partial(gemv, w=w, config=config, interpret=interpret)
         return C.in_row_chunks(kernel, x, max_rows(w.format.value), w.out_features)
