@@ -160,6 +160,23 @@ def _tile_fn(cfg, interpret: bool):
     return fn
 
 
+def _measure(rec: dict, fn, operands, *, layers: int, options, bw_gbps: float, smoke: bool):
+    """Times ``fn`` over ``layers`` entries into ``rec`` (errors recorded, not raised); returns
+    its output, or None."""
+    plain = operands[2]
+    try:
+        us, temp, out = _time(
+            lambda x, s, p: fn(x, s, p, layers), operands, options=options, smoke=smoke
+        )
+    except Exception as e:  # a tile that fails to lower is recorded, not fatal
+        rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+        return None
+    per = us / layers
+    ideal = plain.nbytes / (bw_gbps * 1e3)  # the entry read once at copy speed
+    rec.update(us_per_entry=per, ideal_us=ideal, ratio_to_ideal=per / ideal, temp_bytes=temp)
+    return out
+
+
 def run(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -168,58 +185,40 @@ def run(args) -> list[dict]:
     from pallas_kernels._linear import triton as T
 
     smoke = args.smoke
-    interpret = smoke
     bw = harness.copy_bandwidth(smoke=smoke)
     records = [dict(kind="copy_bandwidth", **bw)]
-    shapes = SMOKE_SHAPES if smoke else SHAPES
+    tiles = SPLIT_TILES if args.tiles == "split" else TRITON_TILES
     start = time.time()
     for fmt in args.formats:
-        for name, n, k in shapes:
+        for name, n, k in SMOKE_SHAPES if smoke else SHAPES:
             stack, plain = _stack(fmt, args.layers, n, k)
-            nbytes = plain.nbytes
             for rows in args.rows:
                 x = jax.random.normal(jax.random.key(rows), (rows, k), jnp.bfloat16)
-                reference = (
-                    None  # xla_copy's sum over the entries, which every stack read must give
-                )
-                tiles = SPLIT_TILES if args.tiles == "split" else TRITON_TILES
-                for vname, cfg, fn in _variants(fmt, interpret, tiles):
+                reference = None  # xla_copy's sum over the entries: every stack read's too
+                for vname, tile, fn in _variants(fmt, smoke, tiles):
                     rec = dict(kind="projection", format=fmt, shape=name, n=n, k=k, rows=rows)
                     rec.update(variant=vname, layers=args.layers)
                     if time.time() - start > args.budget_s:
                         records.append(dict(rec, kind="skipped"))
                         continue
-                    if cfg is not None:
-                        cfg, fill = cfg
+                    if tile is not None:
+                        cfg, fill = tile
                         if fill:
                             split = T.filling_split(n, k, cfg.block_n, cfg.block_k)
                             cfg = dataclasses.replace(cfg, split_k=split)
-                        fn = _tile_fn(cfg, interpret)
-                        rec["config"] = dataclasses.asdict(cfg)
-                    options = (
-                        {"xla_gpu_enable_dynamic_slice_fusion": True}
-                        if vname == "xla_copy_dsf" and not smoke
-                        else None
-                    )
+                        fn, rec["config"] = _tile_fn(cfg, smoke), dataclasses.asdict(cfg)
+                    dsf = vname == "xla_copy_dsf" and not smoke
+                    options = {"xla_gpu_enable_dynamic_slice_fusion": True} if dsf else None
                     rec["compiler_options"] = options
-                    try:
-                        us, temp, out = _time(
-                            lambda x, s, p, fn=fn: fn(x, s, p, args.layers),
-                            (x, stack, plain),
-                            options=options,
-                            smoke=smoke,
-                        )
-                        per = us / args.layers
-                        ideal = nbytes / (bw["gbps"] * 1e3)  # the entry read once at copy speed
-                        rec.update(us_per_entry=per, ideal_us=ideal, ratio_to_ideal=per / ideal)
-                        rec.update(temp_bytes=temp)
-                        if vname == "xla_copy":
-                            reference = np.asarray(out)
-                        elif vname != "xla_plain" and reference is not None:
-                            err = np.abs(np.asarray(out) - reference).max()
-                            rec["max_rel_err"] = float(err / np.abs(reference).max())
-                    except Exception as e:  # a tile that fails to lower is recorded, not fatal
-                        rec.update(error=f"{type(e).__name__}: {str(e)[:300]}")
+                    out = _measure(
+                        rec, fn, (x, stack, plain), layers=args.layers, options=options,
+                        bw_gbps=bw["gbps"], smoke=smoke,
+                    )  # fmt: skip
+                    if out is not None and vname == "xla_copy":
+                        reference = np.asarray(out)
+                    elif out is not None and vname != "xla_plain" and reference is not None:
+                        err = np.abs(np.asarray(out) - reference).max()
+                        rec["max_rel_err"] = float(err / np.abs(reference).max())
                     records.append(rec)
                     print(_line(rec), flush=True)
             del stack, plain

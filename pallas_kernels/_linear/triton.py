@@ -7,7 +7,8 @@ multiply-add:
 
 * ``compute="fma"``: dequantise to F32 and reduce with FMAs (best for one or two rows);
 * ``compute="dot"``: dequantise to a float16 (BF16 for BF16 weights) tile and use the tensor
-  cores with the rows padded to 16 (``pl.dot``), the batched-GEMV form.
+  cores with the rows padded to a power of two of at least 16 (``pl.dot``), the batched-GEMV
+  form.
 
 Shapes (the weight pytrees' leaves):
   x:         bf16[M, K]                      activations, M <= max_rows(format)
@@ -463,8 +464,9 @@ def gemv(
     config: GemvConfig | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """``x: bf16[M, K]`` (M <= ``max_rows`` of its format) times one ``[N, K]`` weight of any format (or an entry of a
-    stack of them: its codes read in place, its small scales sliced) -> f32[M, N]."""
+    """``x: bf16[M, K]`` (M <= ``max_rows`` of its format) times one ``[N, K]`` weight of any
+    format (or an entry of a stack of them: its codes read in place, its small scales sliced)
+    -> f32[M, N]."""
     n, k = w.shape
     index = None
     if isinstance(w, StackedWeight):
