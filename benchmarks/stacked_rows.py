@@ -69,7 +69,7 @@ def _scan_over(stack_fn, x, layers: int):
     def body(acc, i):
         return acc + stack_fn(x, i), None
 
-    n = stack_fn(x, jnp.int32(0)).shape
+    n = jax.eval_shape(stack_fn, x, jnp.int32(0)).shape  # traced for its shape only
     acc, _ = jax.lax.scan(body, jnp.zeros(n, jnp.float32), jnp.arange(layers, dtype=jnp.int32))
     return acc
 
