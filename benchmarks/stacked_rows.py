@@ -11,7 +11,7 @@ the run's copy bandwidth, with each program's temporary bytes (an entry copied o
 shows there):
 
 * ``xla_copy``: one XLA dot on BF16 operands of each entry (``bf16_operands_dot``), the path
-  ``linear`` takes past ``STACKED_GEMV_MAX_ROWS`` rows: XLA:GPU copies the entry out of the
+  ``linear`` takes past one GEMV pass (``WIDE_MAX_ROWS``): XLA:GPU copies the entry out of the
   stack for its GEMM;
 * ``xla_copy_dsf`` (BF16): the same program compiled with
   ``xla_gpu_enable_dynamic_slice_fusion``, XLA's option for GEMMs that read a slice in place;

@@ -4,12 +4,18 @@
   backends Mosaic GPU (``wgmma``, sm_90) and Triton; :func:`linear_reference` is the XLA path.
 * :func:`paged_attention` — one query row per sequence over a paged KV pool (Triton);
   :func:`paged_attention_reference` is the XLA path.
+* :func:`cache_attention` — query rows over each sequence's contiguous KV cache (Triton), and
+  :func:`rms_norm` / :func:`l2_normalize` (Triton): kernels whose rows' results do not depend on
+  how many rows share the call, for the target models' steps.
 
 Every backend declares where it compiles (``supported_on(device)``) and what it takes
 (``supports``); AUTO picks the first that holds, else the reference. This package never imports
 ``mtpjax``.
 """
 
+from pallas_kernels._cache_attention.api import cache_attention, cache_attention_uses_kernel
+from pallas_kernels._cache_attention.reference import cache_attention_reference
+from pallas_kernels._cache_attention.triton import CacheAttentionConfig
 from pallas_kernels._linear.api import BACKENDS, linear, linear_backend
 from pallas_kernels._linear.base import (
     E2M1_MAX,
@@ -34,6 +40,8 @@ from pallas_kernels._linear.triton import TRITON, GemvConfig, TritonLinear
 from pallas_kernels._paged_attention.api import paged_attention
 from pallas_kernels._paged_attention.reference import paged_attention_reference
 from pallas_kernels._paged_attention.triton import PagedAttentionConfig
+from pallas_kernels._row_norm.api import l2_normalize, rms_norm
+from pallas_kernels._row_norm.reference import row_norm_reference
 from pallas_kernels.implementation import Implementation
 
 __all__ = [
@@ -46,6 +54,7 @@ __all__ = [
     "NVFP4_BLOCK",
     "TRITON",
     "Bf16Weight",
+    "CacheAttentionConfig",
     "Fp8BlockWeight",
     "Fp8RowWeight",
     "GemvConfig",
@@ -59,11 +68,17 @@ __all__ = [
     "TritonLinear",
     "Weight",
     "WeightFormat",
+    "cache_attention",
+    "cache_attention_reference",
+    "cache_attention_uses_kernel",
     "decode_e2m1",
+    "l2_normalize",
     "linear",
     "linear_backend",
     "linear_reference",
     "paged_attention",
     "paged_attention_reference",
+    "rms_norm",
+    "row_norm_reference",
     "unpack_e2m1",
 ]

@@ -14,7 +14,6 @@ from kernel_helpers import INTERPRET
 from mtpjax.weights import dequantize, linear, quantize
 from pallas_kernels import MOSAIC_GPU, TRITON, Nvfp4Weight, StackedWeight, linear_backend
 from pallas_kernels._linear import mosaic_gpu as GM
-from pallas_kernels._linear import triton
 
 L = 3
 
@@ -36,13 +35,7 @@ def _scan_rows(backend, x, stack):
 
 
 def _expected(backend, x, w):
-    """What ``backend`` gives for the entry ``w`` alone, on the kernel the stack's entry takes:
-    from the Triton GEMV's dot threshold to one GEMV pass the entry alone would take the XLA
-    dot, where the stack's entry stays on the GEMV."""
-    rows = x.shape[0]
-    in_place = w.format in triton.XLA_DOT_FORMATS and rows <= triton.STACKED_GEMV_MAX_ROWS
-    if backend is TRITON and rows >= triton.DOT_FROM_ROWS and in_place:
-        return triton.gemv(x, w, interpret=INTERPRET)
+    """What ``backend`` gives for the entry ``w`` alone (the same kernel at every row count)."""
     return backend(x, w, interpret=INTERPRET)
 
 
@@ -51,8 +44,8 @@ def _expected(backend, x, w):
     "backend, fmt, rows, shape",
     [(MOSAIC_GPU, f, r, (256, 512)) for f in ("nvfp4", "fp8", "fp8_block") for r in (1, 8)]
     + [(TRITON, f, r, (200, 384)) for f in ("bf16", "fp8", "fp8_block", "nvfp4") for r in (1, 4)]
-    # BF16 and FP8 per-row entries stay on the GEMV past its 9-row dot threshold up to one
-    # pass (128 rows); from 129 rows they take the XLA dot on the sliced entry.
+    # BF16 and FP8 per-row entries stay on the GEMV up to one pass (128 rows); from 129 rows
+    # they take the XLA dot on the sliced entry.
     + [(TRITON, f, r, (200, 384)) for f in ("bf16", "fp8") for r in (16, 40, 128, 129)],
     ids=lambda v: getattr(v, "name", v),
 )

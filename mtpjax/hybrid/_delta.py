@@ -30,6 +30,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
+from pallas_kernels import Implementation
+
 __all__ = [
     "causal_conv",
     "chunked_delta_rule",
@@ -41,11 +44,12 @@ __all__ = [
 _HI = jax.lax.Precision.HIGHEST
 
 
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+def l2_normalize(
+    x: jax.Array, eps: float = 1e-6, *, implementation: Implementation | str = Implementation.XLA
+) -> jax.Array:
     """``x / sqrt(sum(x^2) + eps)`` over the last axis, in F32 (the eps of transformers' FLA-
-    compatible ``l2norm``)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+    compatible ``l2norm``); ``implementation`` as ``mtpjax.layers.rms_norm``'s."""
+    return pk.l2_normalize(x, eps=eps, implementation=implementation)
 
 
 def causal_conv(x: jax.Array, weight: jax.Array, rows: jax.Array | None = None) -> jax.Array:

@@ -66,7 +66,14 @@ from mtpjax.hybrid._delta import (
     tree_delta_rule,
 )
 from mtpjax.hybrid._params import GdnParams, HybridParams, check_params, layer_view
-from mtpjax.layers import attend, output_projection, project_kv, project_q, rms_norm
+from mtpjax.layers import (
+    attend,
+    attend_cache,
+    output_projection,
+    project_kv,
+    project_q,
+    rms_norm,
+)
 from mtpjax.layers.decoder import apply_ffn
 from mtpjax.reference import TargetCache
 from mtpjax.reference.target import move_rows, tree_cache_mask
@@ -192,8 +199,10 @@ def commit(
 # Layer pieces.
 
 
-def _norm(x: jax.Array, w: jax.Array, cfg: HybridConfig) -> jax.Array:
-    return rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=True)
+def _norm(x: jax.Array, w: jax.Array, cfg: HybridConfig, implementation: str) -> jax.Array:
+    """The zero-centred RMSNorm; on a GPU (AUTO) a kernel whose rows do not depend on the row
+    count, as every norm of the target's steps."""
+    return rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=True, implementation=implementation)
 
 
 def _lin(x: jax.Array, w, cfg: HybridConfig, implementation: str) -> jax.Array:
@@ -225,7 +234,7 @@ def _gdn_inputs(p: GdnParams, a: jax.Array, cfg: HybridConfig, implementation: s
     return mixed, z.reshape(*lead, Hv, dv), b, alpha
 
 
-def _gdn_core_inputs(p: GdnParams, conv_out, b, alpha, cfg: HybridConfig):
+def _gdn_core_inputs(p: GdnParams, conv_out, b, alpha, cfg: HybridConfig, implementation: str):
     """The delta rule's q, k [B, T, Hv, dk], v [B, T, Hv, dv], g, beta [B, T, Hv] from the conv
     output f32[B, T, C] and the gate inputs."""
     lead = conv_out.shape[:-1]
@@ -233,8 +242,8 @@ def _gdn_core_inputs(p: GdnParams, conv_out, b, alpha, cfg: HybridConfig):
     q = conv_out[..., :kd].reshape(*lead, -1, dk)
     k = conv_out[..., kd : 2 * kd].reshape(*lead, -1, dk)
     v = conv_out[..., 2 * kd :].reshape(*lead, cfg.linear_num_value_heads, -1)
-    q = jnp.repeat(l2_normalize(q) * dk**-0.5, r, axis=-2)
-    k = jnp.repeat(l2_normalize(k), r, axis=-2)
+    q = jnp.repeat(l2_normalize(q, implementation=implementation) * dk**-0.5, r, axis=-2)
+    k = jnp.repeat(l2_normalize(k, implementation=implementation), r, axis=-2)
     beta = jax.nn.sigmoid(b)
     decay_rate = jnp.exp(p.A_log.astype(jnp.float32))
     g = -decay_rate * jax.nn.softplus(alpha + p.dt_bias.astype(jnp.float32))
@@ -243,20 +252,23 @@ def _gdn_core_inputs(p: GdnParams, conv_out, b, alpha, cfg: HybridConfig):
 
 def _gdn_output(p: GdnParams, o, z, cfg: HybridConfig, implementation: str) -> jax.Array:
     """Gated norm per value head, then out_proj: o, z [B, T, Hv, dv] -> f32[B, T, H]."""
-    y = rms_norm(o, p.norm, eps=cfg.rms_norm_eps, zero_centered=False) * jax.nn.silu(z)
+    y = rms_norm(
+        o, p.norm, eps=cfg.rms_norm_eps, zero_centered=False, implementation=implementation
+    )
+    y = y * jax.nn.silu(z)
     return _lin(y.reshape(*y.shape[:-2], -1), p.out_proj, cfg, implementation)
 
 
-def _attention_residual(lp, x, positions, kv_and_mask, cfg: HybridConfig, implementation: str):
-    """x + gated attention on x: f32[B, T, H]; ``kv_and_mask(k, v) -> ((k_all, v_all, mask),
-    kept)`` decides what the T queries attend to (their own rows, or the cache after this
-    step's rows are written) and what to keep. Returns (x, kept)."""
+def _attention_residual(lp, x, positions, attention, cfg: HybridConfig, implementation: str):
+    """x + gated attention on x: f32[B, T, H]; ``attention(q, k, v) -> (o f32[B, T, Nq, D],
+    kept)`` attends the T queries to what they see (their own rows, or the cache after this
+    step's rows are written) and says what to keep. Returns (x, kept)."""
     cd = cfg.compute_dtype
-    a = _norm(x, lp.input_layernorm, cfg).astype(cd)
-    q, gate = project_q(lp.attention, a, positions, cfg, implementation=implementation)
-    k, v = project_kv(lp.attention, a, positions, cfg, implementation=implementation)
-    (k_all, v_all, mask), kept = kv_and_mask(k, v)
-    o = attend(q, k_all, v_all, mask)  # f32[B, T, Nq, D]
+    kw = dict(implementation=implementation, norm_implementation=implementation)
+    a = _norm(x, lp.input_layernorm, cfg, implementation).astype(cd)
+    q, gate = project_q(lp.attention, a, positions, cfg, **kw)
+    k, v = project_kv(lp.attention, a, positions, cfg, **kw)
+    o, kept = attention(q, k, v)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
     out = output_projection(lp.attention, o.astype(cd), None, implementation=implementation)
@@ -264,7 +276,7 @@ def _attention_residual(lp, x, positions, kv_and_mask, cfg: HybridConfig, implem
 
 
 def _ffn_residual(lp, x, layer: int, cfg: HybridConfig, implementation: str) -> jax.Array:
-    y = _norm(x, lp.post_attention_layernorm, cfg).astype(cfg.compute_dtype)
+    y = _norm(x, lp.post_attention_layernorm, cfg, implementation).astype(cfg.compute_dtype)
     view = layer_view(cfg, layer)
     return x + apply_ffn(lp.ffn, y, cfg=view, implementation=implementation)
 
@@ -333,14 +345,20 @@ def _prompt_stack(params, head, tokens, lengths, cfg: HybridConfig, implementati
     def slot(p, lp, g, x, st):
         if cfg.layer_types[p] is LayerType.FULL_ATTENTION:
             x, kv = _attention_residual(
-                lp, x, positions, lambda k, v: ((k, v, mask), (k, v)), cfg, implementation
+                lp,
+                x,
+                positions,
+                lambda q, k, v: (attend(q, k, v, mask), (k, v)),
+                cfg,
+                implementation,
             )
             return _ffn_residual(lp, x, p, cfg, implementation), st, kv
         gdn = lp.linear_attn
-        a = _norm(x, lp.input_layernorm, cfg)
+        a = _norm(x, lp.input_layernorm, cfg, implementation)
         mixed, z, b, alpha = _gdn_inputs(gdn, a, cfg, implementation)
         xp = jnp.pad(mixed, ((0, 0), (K - 1, 0), (0, 0)))  # [B, K-1+T, C]
-        q, k, v, g, beta = _gdn_core_inputs(gdn, causal_conv(xp, gdn.conv1d), b, alpha, cfg)
+        conv = causal_conv(xp, gdn.conv1d)
+        q, k, v, g, beta = _gdn_core_inputs(gdn, conv, b, alpha, cfg, implementation)
         g, beta = (jnp.where(valid[..., None], t, 0.0) for t in (g, beta))
         o, s = chunked_delta_rule(q, k, v, g, beta, state0, chunk_size=cfg.gdn_chunk_size)
         x = x + _gdn_output(gdn, o, z, cfg, implementation)
@@ -381,7 +399,7 @@ def _forward(params, head, tokens, *, cfg, implementation):
     lengths = jnp.full((B,), T, jnp.int32)
     x, _, inputs = _prompt_stack(params, head, tokens, lengths, cfg, implementation)
     layers = jnp.concatenate([inputs, x[None]], axis=0)
-    return _norm(x, params.final_norm, cfg), layers
+    return _norm(x, params.final_norm, cfg, implementation), layers
 
 
 @configs_by_name
@@ -430,7 +448,7 @@ def _prefill(params, head, state, tokens, lengths, *, cfg, implementation):
             conv = old.conv.at[:, :, 1:K].set(history)
             layers.append(GdnState(conv=conv, recurrent=old.recurrent.at[:, :, 0].set(s)))
     valid = jnp.arange(T)[None, :] < lengths[:, None]
-    hidden = jnp.where(valid[..., None], _norm(x, params.final_norm, cfg), 0.0)
+    hidden = jnp.where(valid[..., None], _norm(x, params.final_norm, cfg, implementation), 0.0)
     return hidden, HybridState(layers=tuple(layers), base=lengths - 1)
 
 
@@ -503,26 +521,30 @@ def _run_step(params, head, state, tokens, start, parents, cfg, implementation):
     # writes only its S KV rows, conv inputs and snapshots into it, in place.
     def slot(p, lp, group, x, st):
         if isinstance(st, TargetCache):
-            if parents is None:
-                mask = jnp.arange(st.k.shape[2])[None, None, :] <= positions[:, :, None]
-            else:
-                mask = tree_cache_mask(start, parents, st.k.shape[2])
 
-            def write(k, v):
+            def write_and_attend(q, k, v):
                 where = (group, batch_idx, slots)
                 k_all = st.k.at[where].set(k.astype(st.k.dtype), mode="drop")
                 v_all = st.v.at[where].set(v.astype(st.v.dtype), mode="drop")
-                return (k_all[group], v_all[group], mask), TargetCache(k=k_all, v=v_all)
+                if parents is None:  # each row attends to the rows up to its position
+                    lengths = positions + 1
+                    o = attend_cache(
+                        q, k_all, v_all, lengths, layer=group, implementation=implementation
+                    )
+                else:
+                    mask = tree_cache_mask(start, parents, st.k.shape[2])
+                    o = attend(q, k_all[group], v_all[group], mask)
+                return o, TargetCache(k=k_all, v=v_all)
 
-            x, new = _attention_residual(lp, x, positions, write, cfg, implementation)
+            x, new = _attention_residual(lp, x, positions, write_and_attend, cfg, implementation)
             return _ffn_residual(lp, x, p, cfg, implementation), new, None
         gdn = lp.linear_attn
         history, s0 = _select(st, j, K, group)
-        a = _norm(x, lp.input_layernorm, cfg)
+        a = _norm(x, lp.input_layernorm, cfg, implementation)
         mixed, z, b, alpha = _gdn_inputs(gdn, a, cfg, implementation)
         xp = jnp.concatenate([history, mixed], axis=1)  # [B, K-1+S, C]
         conv = causal_conv(xp, gdn.conv1d, conv_rows)
-        q, k, v, g, beta = _gdn_core_inputs(gdn, conv, b, alpha, cfg)
+        q, k, v, g, beta = _gdn_core_inputs(gdn, conv, b, alpha, cfg, implementation)
         if parents is None:
             o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
         else:
@@ -536,7 +558,7 @@ def _run_step(params, head, state, tokens, start, parents, cfg, implementation):
 
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
     x, layers, _, _ = _scan_groups(params, x, state.layers, slot, cfg)
-    return _norm(x, params.final_norm, cfg), HybridState(layers=layers, base=start)
+    return _norm(x, params.final_norm, cfg, implementation), HybridState(layers=layers, base=start)
 
 
 @configs_by_name

@@ -12,6 +12,7 @@ from mtpjax.layers._spec import (
 from mtpjax.layers.attention import (
     AttentionParams,
     attend,
+    attend_cache,
     causal_self_attention,
     output_projection,
     project_kv,
@@ -31,6 +32,7 @@ __all__ = [
     "Rules",
     "apply_rope",
     "attend",
+    "attend_cache",
     "causal_self_attention",
     "decoder_layer",
     "dense_ffn",

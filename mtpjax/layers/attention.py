@@ -18,9 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels as pk
 from mtpjax.layers.norms import rms_norm
 from mtpjax.layers.rope import apply_rope
 from mtpjax.weights import Weight, linear
+from pallas_kernels import Implementation
 
 
 @jax.tree_util.register_dataclass
@@ -47,32 +49,54 @@ def _project(x: jax.Array, w: Weight, bias: jax.Array | None, implementation) ->
     return y if bias is None else y + bias.astype(jnp.float32)
 
 
-def _norm_rope(x: jax.Array, w: jax.Array | None, positions: jax.Array, cfg: Any) -> jax.Array:
+def _norm_rope(
+    x: jax.Array, w: jax.Array | None, positions: jax.Array, cfg: Any, norm_implementation
+) -> jax.Array:
     """The head norm (when ``w`` is given), then RoPE: [..., T, N, D] -> f32[..., T, N, D]."""
     if w is not None:
-        x = rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+        x = rms_norm(
+            x,
+            w,
+            eps=cfg.rms_norm_eps,
+            zero_centered=cfg.zero_centered_norm,
+            implementation=norm_implementation,
+        )
     return apply_rope(x, positions, rotary_dim=cfg.rotary_dim, theta=cfg.rope_theta)
 
 
 def project_kv(
-    params: AttentionParams, x: jax.Array, positions: jax.Array, cfg: Any, *, implementation="auto"
+    params: AttentionParams,
+    x: jax.Array,
+    positions: jax.Array,
+    cfg: Any,
+    *,
+    implementation="auto",
+    norm_implementation=Implementation.XLA,
 ) -> tuple[jax.Array, jax.Array]:
     """K and V rows for x: [..., T, H] at positions [..., T] -> two f32[..., T, Nkv, D].
 
-    K gets its head norm and RoPE here, so a cache row is final once written.
+    K gets its head norm and RoPE here, so a cache row is final once written. The projections
+    take ``implementation``, the head norm ``norm_implementation`` (``rms_norm``'s).
     """
     lead = x.shape[:-1]
     k = _project(x, params.k_proj, params.k_bias, implementation)
     v = _project(x, params.v_proj, params.v_bias, implementation)
     k = k.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
-    return _norm_rope(k, params.k_norm, positions, cfg), v
+    return _norm_rope(k, params.k_norm, positions, cfg, norm_implementation), v
 
 
 def project_q(
-    params: AttentionParams, x: jax.Array, positions: jax.Array, cfg: Any, *, implementation="auto"
+    params: AttentionParams,
+    x: jax.Array,
+    positions: jax.Array,
+    cfg: Any,
+    *,
+    implementation="auto",
+    norm_implementation=Implementation.XLA,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Queries f32[..., T, Nq, D] (normed, rotated) and the output gate f32[..., T, Nq, D] or None."""
+    """Queries f32[..., T, Nq, D] (normed, rotated) and the output gate f32[..., T, Nq, D] or
+    None; implementations as ``project_kv``'s."""
     lead = x.shape[:-1]
     q = _project(x, params.q_proj, params.q_bias, implementation)
     gate = None
@@ -82,7 +106,7 @@ def project_q(
         q, gate = q[..., : cfg.head_dim], q[..., cfg.head_dim :]
     else:
         q = q.reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
-    return _norm_rope(q, params.q_norm, positions, cfg), gate
+    return _norm_rope(q, params.q_norm, positions, cfg, norm_implementation), gate
 
 
 def attend(
@@ -108,6 +132,40 @@ def attend(
     weights = weights / jnp.where(denom > 0, denom, 1.0)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", weights, v.astype(jnp.float32), precision=hi)
     return out.reshape(B, Tq, Nq, v.shape[-1])
+
+
+def attend_cache(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    lengths: jax.Array,
+    *,
+    layer: jax.Array | None = None,
+    implementation: Implementation | str = Implementation.AUTO,
+) -> jax.Array:
+    """Each query row over its sequence's cache rows: row (b, s) of q [B, S, Nq, D] attends to
+    rows ``< lengths[b, s]`` of k / v [B, L, Nkv, D] (entry ``layer``, traced, of [layers, B,
+    L, Nkv, D] stacks) -> f32[B, S, Nq, D].
+
+    On a GPU (AUTO) ``pallas_kernels.cache_attention``'s kernel, which reads a stack's entry in
+    place and whose rows' results do not depend on the row count or the cache length (a
+    target's verify step then computes its first row as the one-row step does); elsewhere
+    ``attend`` under the same mask.
+    """
+    if pk.cache_attention_uses_kernel(q, k_cache, implementation):
+        return pk.cache_attention(
+            q,
+            k_cache,
+            v_cache,
+            lengths,
+            scale=q.shape[-1] ** -0.5,
+            layer=layer,
+            implementation=implementation,
+        )
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
+    mask = jnp.arange(k_cache.shape[1], dtype=jnp.int32)[None, None, :] < lengths[:, :, None]
+    return attend(q, k_cache, v_cache, mask)
 
 
 def output_projection(

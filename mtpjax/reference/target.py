@@ -49,6 +49,7 @@ from mtpjax.layers import (
     AttentionParams,
     DenseFfnParams,
     attend,
+    attend_cache,
     output_projection,
     project_kv,
     project_q,
@@ -370,8 +371,14 @@ def init(cfg: TargetConfig, *, key: jax.Array, std: float = 0.02) -> TargetParam
 # Forward.
 
 
-def _norm(x: jax.Array, w: jax.Array, cfg: TargetConfig) -> jax.Array:
-    return rms_norm(x, w, eps=cfg.rms_norm_eps, zero_centered=cfg.zero_centered_norm)
+def _norm(x: jax.Array, w: jax.Array, cfg: TargetConfig, implementation: str) -> jax.Array:
+    return rms_norm(
+        x,
+        w,
+        eps=cfg.rms_norm_eps,
+        zero_centered=cfg.zero_centered_norm,
+        implementation=implementation,
+    )
 
 
 def _lin(
@@ -386,26 +393,28 @@ def _layer(
     lp: DecoderLayerParams,
     x: jax.Array,
     positions: jax.Array,
-    kv_and_mask: Callable[[jax.Array, jax.Array], tuple[tuple[jax.Array, ...], Any]],
+    attention: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]],
     cfg: TargetConfig,
     implementation: str,
 ) -> tuple[jax.Array, Any]:
     """One residual decoder layer on x: f32[B, T, H].
 
-    ``kv_and_mask(k, v) -> ((k_all, v_all, mask), kept)`` decides what the T queries attend to
-    (their own rows in a full forward or prefill, the cache after this step's rows are
-    written) and what the layer hands back (the rows, or the updated cache). Returns (x, kept).
+    ``attention(q, k, v) -> (o f32[B, T, Nq, D], kept)`` attends the T queries to what they
+    see (their own rows in a full forward or prefill, the cache after this step's rows are
+    written) and says what the layer hands back (the rows, or the updated cache). Every norm
+    takes ``implementation`` too: on a GPU its kernel, whose rows do not depend on the row
+    count. Returns (x, kept).
     """
     cd = cfg.compute_dtype
-    a = _norm(x, lp.input_layernorm, cfg).astype(cd)
-    q, gate = project_q(lp.attention, a, positions, cfg, implementation=implementation)
-    k, v = project_kv(lp.attention, a, positions, cfg, implementation=implementation)
-    (k_all, v_all, mask), kept = kv_and_mask(k, v)
-    o = attend(q, k_all, v_all, mask)  # f32[B, T, Nq, D]
+    kw = dict(implementation=implementation, norm_implementation=implementation)
+    a = _norm(x, lp.input_layernorm, cfg, implementation).astype(cd)
+    q, gate = project_q(lp.attention, a, positions, cfg, **kw)
+    k, v = project_kv(lp.attention, a, positions, cfg, **kw)
+    o, kept = attention(q, k, v)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
     x = x + output_projection(lp.attention, o.astype(cd), None, implementation=implementation)
-    y = _norm(x, lp.post_attention_layernorm, cfg)
+    y = _norm(x, lp.post_attention_layernorm, cfg, implementation)
     g = _lin(y, lp.ffn.gate_proj, cfg, implementation)
     u = _lin(y, lp.ffn.up_proj, cfg, implementation)
     x = x + _lin(jax.nn.silu(g) * u, lp.ffn.down_proj, cfg, implementation)
@@ -425,10 +434,12 @@ def _causal_stack(params, head, tokens, positions, cfg, implementation):
 
     def body(x, i):
         lp = layer_of(params.layers, i)
-        return _layer(lp, x, positions, lambda k, v: ((k, v, mask), (k, v)), cfg, implementation)
+        return _layer(
+            lp, x, positions, lambda q, k, v: (attend(q, k, v, mask), (k, v)), cfg, implementation
+        )
 
     x, kv = jax.lax.scan(body, x, jnp.arange(params.num_layers, dtype=jnp.int32))
-    return _norm(x, params.final_norm, cfg), kv
+    return _norm(x, params.final_norm, cfg, implementation), kv
 
 
 @configs_by_name
@@ -529,9 +540,13 @@ def _target_step(params, head, cache, tokens, start, *, cfg, implementation):
         raise ValueError(f"tokens have batch {B}, the cache {cache.batch}")
     start = jnp.asarray(start, jnp.int32)
     positions = start[:, None] + jnp.arange(S, dtype=jnp.int32)  # [B, S]
-    rows = jnp.arange(cache.max_len, dtype=jnp.int32)
-    mask = rows[None, None, :] <= positions[:, :, None]  # [B, S, Lmax]
-    return _run_step(params, head, cache, tokens, positions, positions, mask, cfg, implementation)
+
+    def causal(q, k_stack, v_stack, i):  # each row attends to the rows up to its position
+        return attend_cache(
+            q, k_stack, v_stack, positions + 1, layer=i, implementation=implementation
+        )
+
+    return _run_step(params, head, cache, tokens, positions, positions, causal, cfg, implementation)
 
 
 def tree_cache_mask(start: jax.Array, parents: jax.Array, max_len: int) -> jax.Array:
@@ -546,10 +561,10 @@ def tree_cache_mask(start: jax.Array, parents: jax.Array, max_len: int) -> jax.A
     return (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)
 
 
-def _run_step(params, head, cache, tokens, positions, slots, mask, cfg, implementation):
+def _run_step(params, head, cache, tokens, positions, slots, attention, cfg, implementation):
     """The layers over S rows per sequence at RoPE ``positions`` [B, S], written at cache rows
-    ``slots`` [B, S], each query attending to the cache rows ``mask`` bool[B, S, Lmax] allows
-    (after this step's rows are written)."""
+    ``slots`` [B, S]; ``attention(q, k_stack, v_stack, layer)`` attends the queries to layer
+    ``layer`` of the stacked cache [L, B, Lmax, Nkv, D] after this step's rows are written."""
     B = tokens.shape[0]
     batch_idx = jnp.arange(B)[:, None]
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)
@@ -560,17 +575,18 @@ def _run_step(params, head, cache, tokens, positions, slots, mask, cfg, implemen
         x, k_stack, v_stack = carry
         lp = layer_of(params.layers, i)
 
-        def write(k, v):
+        def write_and_attend(q, k, v):
             k_stack_new = k_stack.at[i, batch_idx, slots].set(k.astype(k_stack.dtype), mode="drop")
             v_stack_new = v_stack.at[i, batch_idx, slots].set(v.astype(v_stack.dtype), mode="drop")
-            return (k_stack_new[i], v_stack_new[i], mask), (k_stack_new, v_stack_new)
+            o = attention(q, k_stack_new, v_stack_new, i)
+            return o, (k_stack_new, v_stack_new)
 
-        x, (k_stack, v_stack) = _layer(lp, x, positions, write, cfg, implementation)
+        x, (k_stack, v_stack) = _layer(lp, x, positions, write_and_attend, cfg, implementation)
         return (x, k_stack, v_stack), None
 
     layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
     (x, k_new, v_new), _ = jax.lax.scan(body, (x, cache.k, cache.v), layer_ids)
-    return _norm(x, params.final_norm, cfg), TargetCache(k=k_new, v=v_new)
+    return _norm(x, params.final_norm, cfg, implementation), TargetCache(k=k_new, v=v_new)
 
 
 @configs_by_name
@@ -613,7 +629,11 @@ def _target_tree_step(params, head, cache, tokens, start, parents, *, cfg, imple
     positions = start[:, None] + tree_depths(parents)[None, :]  # [B, S]
     slots = start[:, None] + jnp.arange(S, dtype=jnp.int32)
     mask = tree_cache_mask(start, parents, cache.max_len)
-    return _run_step(params, head, cache, tokens, positions, slots, mask, cfg, implementation)
+
+    def over_tree(q, k_stack, v_stack, i):
+        return attend(q, k_stack[i], v_stack[i], mask)
+
+    return _run_step(params, head, cache, tokens, positions, slots, over_tree, cfg, implementation)
 
 
 def move_rows(cache: TargetCache, start: jax.Array, path: jax.Array) -> TargetCache:

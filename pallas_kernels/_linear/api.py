@@ -4,8 +4,8 @@ Backends, in order of preference (each says where it compiles and what it takes)
 
 * Mosaic GPU (sm_90): NVFP4, FP8 per-row and FP8 block-128 weights with N % 8 == 0 and
   K % 256 (NVFP4) / K % 128 (FP8) == 0 — every real projection and head — at every row count.
-* Triton (sm_89+): every format and shape; BF16 and FP8 per-row from 9 rows as one XLA dot on
-  BF16 operands (see :class:`TritonLinear`).
+* Triton (sm_89+): every format and shape; BF16 and FP8 per-row past one GEMV pass (128 rows)
+  as one XLA dot on BF16 operands (see :class:`TritonLinear`).
 * else the pure-jnp reference.
 
 The kernels take BF16 activations (W4A16 / W8A16 / BF16): F32 activations are rounded to BF16

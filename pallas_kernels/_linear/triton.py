@@ -54,12 +54,17 @@ WIDE_MAX_ROWS = 128
 #: The formats with a fused XLA decode, which take an XLA dot on BF16 operands (FP8 widened
 #: inside its fusion) from :data:`DOT_FROM_ROWS` rows.
 XLA_DOT_FORMATS = (WeightFormat.BF16, WeightFormat.FP8)
-DOT_FROM_ROWS = 9
-#: ... except an entry of a stacked weight up to this many rows, read in place in one GEMV pass,
-#: where the dot reads a copy of the entry sliced out of the stack. Measured on the H200
-#: (``benchmarks.stacked_rows``, the dense 27B layer's BF16 projections): the one pass takes
-#: 0.48-0.67x the time of the copy and the dot at 128 rows, 0.38-0.48x at 64.
-STACKED_GEMV_MAX_ROWS = WIDE_MAX_ROWS
+#: Every row count one GEMV pass takes stays on it, a stack's entry read in place: one kernel
+#: family for every decode and verify width, so a row's result does not depend on how many rows
+#: share the call (an XLA dot rounds differently per shape; greedy speculation's exactness
+#: against one-row decoding needs the verify's rows computed as one-row steps compute them).
+#: Measured on the H200 (``benchmarks.stacked_rows``, the dense 27B layer's BF16 projections): a
+#: stack's entry in one pass takes 0.48-0.67x the time of XLA's dot on a copy at 128 rows.
+DOT_FROM_ROWS = WIDE_MAX_ROWS + 1
+#: K elements a split-K slice is a multiple of, whatever the tile's ``block_k`` (when smaller):
+#: every tile of a format then cuts K at the same places, so a row's partial sums, and their sum
+#: (added in slice order), are the same at every row count.
+SPLIT_GRANULE = 256
 
 
 def max_rows(fmt: str) -> int:
@@ -119,11 +124,21 @@ _NUM_SMS = 132
 
 def filling_split(n: int, k: int, block_n: int, block_k: int) -> int:
     """The heuristic's ``split_k``: doubled while the grid has fewer than four programs per SM
-    and each slice keeps at least one K step."""
-    programs, iters, split = C.cdiv(n, block_n), C.cdiv(k, block_k), 1
+    and each slice keeps at least one K step of ``max(block_k, SPLIT_GRANULE)``."""
+    programs, iters, split = C.cdiv(n, block_n), C.cdiv(k, max(block_k, SPLIT_GRANULE)), 1
     while programs * split < 4 * _NUM_SMS and split * 2 <= iters:
         split *= 2
     return split
+
+
+def split_slices(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """``(slices, K steps of block_k per slice)`` for at most ``split_k`` slices of K: each slice
+    whole granules of ``max(block_k, SPLIT_GRANULE)`` elements, so tiles of different ``block_k``
+    (up to the granule) cut K at the same places."""
+    granule = max(block_k, SPLIT_GRANULE)
+    granules = C.cdiv(k, granule)
+    per_split = C.cdiv(granules, max(1, min(split_k, granules)))
+    return C.cdiv(granules, per_split), per_split * (granule // block_k)
 
 
 def default_config(fmt: str, m: int, n: int, k: int) -> GemvConfig:
@@ -399,9 +414,7 @@ def _gemv(
     bn, bk = cfg.block_n, cfg.block_k
     asm = cfg.decode == "asm" and not interpret
     total_iters = C.cdiv(k, bk)
-    split = max(1, min(cfg.split_k, total_iters))
-    iters_per_split = C.cdiv(total_iters, split)
-    split = C.cdiv(total_iters, iters_per_split)
+    split, iters_per_split = split_slices(k, bk, cfg.split_k)
     compute = cfg.compute
     m_pad = max(16, C.next_pow2(m)) if compute == "dot" else m
     if compute == "dot":
@@ -448,7 +461,17 @@ def _gemv(
         interpret=interpret,
         name=f"{fmt}_gemv",
     )(*entry, *xs, xinv, *weights)
-    return out[0] if split == 1 else jnp.sum(out, axis=0)
+    return sum_in_order(out)
+
+
+def sum_in_order(parts: jax.Array) -> jax.Array:
+    """``parts[0] + parts[1] + ...`` over the leading axis, added in that order: elementwise adds,
+    so an element's sum does not depend on the other axes' sizes (XLA's reduce picks its order
+    from the whole shape)."""
+    total = parts[0]
+    for i in range(1, parts.shape[0]):
+        total = total + parts[i]
+    return total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,11 +528,11 @@ def bf16_operands_dot(x: jax.Array, w: Bf16Weight | Fp8RowWeight | StackedWeight
 class TritonLinear:
     """The Triton GEMV, up to :func:`max_rows` rows a pass (row chunks beyond).
 
-    Row heuristic (measured on the H200): BF16 and FP8 per-row weights take the GEMV for 1..8
-    rows and from 9 rows one XLA dot on BF16 operands (FP8 widened inside its fusion); an entry
-    of a stacked weight takes the GEMV in one pass up to :data:`STACKED_GEMV_MAX_ROWS` rows.
-    NVFP4 and FP8 block-128 have no fused XLA decode (dequantise-then-dot writes and re-reads
-    the weight in BF16, 8x slower than a GEMV pass), so they take the GEMV over 32-row chunks.
+    Row heuristic: BF16 and FP8 per-row weights (a stack's entry read in place) take the GEMV in
+    one pass up to :data:`WIDE_MAX_ROWS` rows and one XLA dot on BF16 operands beyond (FP8
+    widened inside its fusion; a stack's entry sliced out first). NVFP4 and FP8 block-128 have
+    no fused XLA decode (dequantise-then-dot writes and re-reads the weight in BF16, 8x slower
+    than a GEMV pass), so they take the GEMV over 32-row chunks.
     """
 
     name: str = "triton"
@@ -525,9 +548,7 @@ class TritonLinear:
         return None
 
     def __call__(self, x, w, *, config=None, interpret=False):
-        rows = x.shape[0]
-        in_place = isinstance(w, StackedWeight) and rows <= STACKED_GEMV_MAX_ROWS
-        if rows >= DOT_FROM_ROWS and not in_place and w.format in XLA_DOT_FORMATS:
+        if x.shape[0] >= DOT_FROM_ROWS and w.format in XLA_DOT_FORMATS:
             return bf16_operands_dot(x, w)
         kernel = functools.partial(gemv, w=w, config=config, interpret=interpret)
         return C.in_row_chunks(kernel, x, max_rows(w.format.value), w.out_features)
