@@ -538,8 +538,9 @@ def categorize(stack: list[tuple[str, str, int]]) -> tuple[str, tuple[str, str, 
     for frame in stack:
         file, qualname, line = frame
         base, fn = os.path.basename(file), qualname.rpartition(".")[2]
-        if base == "_delta.py" and fn not in ("causal_conv", "l2_normalize"):
-            row = fn in ("body", "_delta_step")  # the per-position step the scans run
+        delta = base == "_delta.py" or file.endswith(os.path.join("_delta_rule", "reference.py"))
+        if delta and fn not in ("causal_conv", "l2_normalize"):
+            row = fn in ("body", "delta_step")  # the per-position step the scans run
             return ("delta rule (row body)" if row else "delta rule (scan in/out)"), frame
         if base == "_model.py" and ".at[" in linecache.getline(file, line):
             text = linecache.getline(file, line)

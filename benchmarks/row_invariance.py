@@ -181,11 +181,13 @@ def pair_ops_and_steps(shapes: Shapes, key: jax.Array, emit) -> None:
         v = jax.random.normal(next(ks), (B, W, Hv, dv), jnp.float32)
         g = -jnp.abs(jax.random.normal(next(ks), (B, W, Hv), jnp.float32))
         beta = jax.nn.sigmoid(jax.random.normal(next(ks), (B, W, Hv), jnp.float32))
-        rule = jax.jit(recurrent_delta_rule)
-        o_all, st_all = rule(q, k, v, g, beta, s0)
-        o_one, st_one = rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
-        emit(compare("gdn_delta_rule_row0_out", W, B * W, o_all[:, 0], o_one[:, 0]))
-        emit(compare("gdn_delta_rule_row0_state", W, B * W, st_all[:, 0], st_one[:, 0]))
+        for impl in ("xla", "auto"):
+            rule = jax.jit(functools.partial(recurrent_delta_rule, implementation=impl))
+            o_all, st_all = rule(q, k, v, g, beta, s0)
+            o_one, st_one = rule(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], s0)
+            name = f"gdn_delta_rule_{impl}_row0"
+            emit(compare(f"{name}_out", W, B * W, o_all[:, 0], o_one[:, 0]))
+            emit(compare(f"{name}_state", W, B * W, st_all[:, 0], st_one[:, 0]))
 
     prompts, lengths, _ = bg.text_prompts(tcfg, B, 64, 0)
     state = target.init_cache(B, 64 + 2 * max(shapes.widths))

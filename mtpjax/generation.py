@@ -39,6 +39,14 @@ every target call of the two runs has the same shape (both derive batch and cach
 same way), so the outputs agree token for token by construction, not by argmax margins. The LM
 head pads rows itself (``mtpjax.head``).
 
+On a GPU the target steps run kernels whose rows do not depend on the row count or the cache
+length (``pallas_kernels``: the row norms, the cache attention, the GEMVs with split-K slices cut
+at fixed places and summed in order, one LM-head family for every width), so there a one-row
+plain decoder (``step_width=1``) gives the speculative loop's tokens too: measured on the H200
+for the reference target (BENCHMARKS.md). The hybrid target's Gated DeltaNet layers still run
+XLA's delta rule, whose one-row step rounds differently; its row-invariant kernel
+(``implementation="pallas"`` of ``mtpjax.hybrid.recurrent_delta_rule``) is not yet its default.
+
 Shapes: ``[B]`` sequences, ``[T]`` padded prompt width, ``[N]`` max_new_tokens, ``[K]`` drafts
 per round, ``[W]`` target rows per step (``K + 1`` for speculation), ``H`` hidden, ``V`` vocab,
 ``Lmax = T + N + W`` rows of the target's cache and of the drafter's sequence capacity.

@@ -6,7 +6,8 @@
   :func:`paged_attention_reference` is the XLA path.
 * :func:`cache_attention` — query rows over each sequence's contiguous KV cache (Triton), and
   :func:`rms_norm` / :func:`l2_normalize` (Triton): kernels whose rows' results do not depend on
-  how many rows share the call, for the target models' steps.
+  how many rows share the call, for the target models' steps; :func:`recurrent_delta_rule`
+  (Triton) likewise for the Gated DeltaNet layers' steps.
 
 Every backend declares where it compiles (``supported_on(device)``) and what it takes
 (``supports``); AUTO picks the first that holds, else the reference. This package never imports
@@ -16,6 +17,8 @@ Every backend declares where it compiles (``supported_on(device)``) and what it 
 from pallas_kernels._cache_attention.api import cache_attention, cache_attention_uses_kernel
 from pallas_kernels._cache_attention.reference import cache_attention_reference
 from pallas_kernels._cache_attention.triton import CacheAttentionConfig
+from pallas_kernels._delta_rule.api import recurrent_delta_rule
+from pallas_kernels._delta_rule.reference import recurrent_delta_rule_reference
 from pallas_kernels._linear.api import BACKENDS, linear, linear_backend
 from pallas_kernels._linear.base import (
     E2M1_MAX,
@@ -78,6 +81,8 @@ __all__ = [
     "linear_reference",
     "paged_attention",
     "paged_attention_reference",
+    "recurrent_delta_rule",
+    "recurrent_delta_rule_reference",
     "rms_norm",
     "row_norm_reference",
     "unpack_e2m1",

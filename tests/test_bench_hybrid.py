@@ -130,7 +130,7 @@ def test_profile_attribution_follows_the_python_stack():
     body = [
         st
         for st in sources.values()
-        if st and st[0][1].rpartition(".")[2] in ("body", "_delta_step")
+        if st and st[0][1].rpartition(".")[2] in ("body", "delta_step")
     ]
     assert body and any(fn == "recurrent_delta_rule" for _, fn, _ in body[0])  # its caller
     assert bh.categorize([("x.py", "nothing_known", 1)]) == ("other", None)

@@ -164,6 +164,81 @@ def test_cache_attention_errors_name_the_problem():
         CA.CacheAttentionConfig(block_keys=16, split_keys=40)
 
 
+# ---- the recurrent delta rule ---------------------------------------------------------------
+
+
+def _delta_inputs(seed, B=2, T=4, Hv=3, dk=32, dv=16):
+    rng = np.random.default_rng(seed)
+
+    def unit(shape):
+        x = rng.standard_normal(shape)
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    f32 = jnp.float32
+    return (
+        jnp.asarray(unit((B, T, Hv, dk)) * dk**-0.5, f32),
+        jnp.asarray(unit((B, T, Hv, dk)), f32),
+        jnp.asarray(rng.standard_normal((B, T, Hv, dv)), f32),
+        jnp.asarray(-np.abs(rng.standard_normal((B, T, Hv))), f32),
+        jnp.asarray(1 / (1 + np.exp(-rng.standard_normal((B, T, Hv)))), f32),
+        jnp.asarray(rng.standard_normal((B, Hv, dk, dv)) * 0.1, f32),
+    )
+
+
+def _delta_oracle(q, k, v, g, beta, s0):
+    q, k, v, g, beta, s = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, s0))
+    T = q.shape[1]
+    outs, states = [], []
+    for t in range(T):
+        s = s * np.exp(g[:, t])[..., None, None]
+        u = (v[:, t] - np.einsum("bhkv,bhk->bhv", s, k[:, t])) * beta[:, t][..., None]
+        s = s + k[:, t][..., :, None] * u[..., None, :]
+        outs.append(np.einsum("bhkv,bhk->bhv", s, q[:, t]))
+        states.append(s)
+    return np.stack(outs, 1), np.stack(states, 1)
+
+
+def test_delta_rule_kernel_matches_the_reference_and_float64():
+    args = _delta_inputs(0)
+    o, st = pk.recurrent_delta_rule(*args, implementation=KERNEL)
+    o_ref, st_ref = pk.recurrent_delta_rule(*args, implementation="xla")
+    o64, st64 = _delta_oracle(*args)
+    for got in ((o, st), (o_ref, st_ref)):
+        np.testing.assert_allclose(got[0], o64, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[1], st64, rtol=1e-5, atol=1e-6)
+
+
+def test_a_delta_rule_row_does_not_depend_on_the_rows_after_it():
+    """Row 0 (and 1) of a 4-row step as a 2-row step computes them. The one-row step is the
+    GPU's to check (``test_gpu_...``): off a GPU the interpreter hands the kernel's loop to XLA,
+    which unrolls a loop of one trip."""
+    args = _delta_inputs(1)
+    o4, st4 = pk.recurrent_delta_rule(*args, implementation=KERNEL)
+    o2, st2 = pk.recurrent_delta_rule(*(a[:, :2] for a in args[:5]), args[5], implementation=KERNEL)
+    np.testing.assert_array_equal(np.asarray(o2), np.asarray(o4[:, :2]))
+    np.testing.assert_array_equal(np.asarray(st2), np.asarray(st4[:, :2]))
+
+
+def test_delta_rule_errors_name_the_problem():
+    q, k, v, g, beta, s0 = _delta_inputs(2)
+    with pytest.raises(ValueError, match=r"beta must be \[2, 4, 3\] for q \[2, 4, 3, 32\]"):
+        pk.recurrent_delta_rule(q, k, v, g, beta[:, :3], s0)
+    q2, k2, v2, g2, b2, s2 = _delta_inputs(2, dk=24)
+    with pytest.raises(NotImplementedError, match="power-of-two head dims >= 16, got dk=24"):
+        pk.recurrent_delta_rule(q2, k2, v2, g2, b2, s2, implementation=KERNEL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("dk, dv", [(64, 64), (128, 128)])
+def test_gpu_a_delta_rule_row_alone_is_the_row_among_others(dk, dv):
+    args = _delta_inputs(3, B=8, T=5, Hv=8, dk=dk, dv=dv)
+    o5, st5 = pk.recurrent_delta_rule(*args)
+    o1, st1 = pk.recurrent_delta_rule(*(a[:, :1] for a in args[:5]), args[5])
+    np.testing.assert_array_equal(np.asarray(o1[:, 0]), np.asarray(o5[:, 0]))
+    np.testing.assert_array_equal(np.asarray(st1[:, 0]), np.asarray(st5[:, 0]))
+
+
 # ---- the GEMV's split-K slices --------------------------------------------------------------
 
 

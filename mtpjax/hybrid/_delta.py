@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from pallas_kernels import Implementation
+from pallas_kernels._delta_rule.reference import delta_step
 
 __all__ = [
     "causal_conv",
@@ -74,36 +75,26 @@ def causal_conv(x: jax.Array, weight: jax.Array, rows: jax.Array | None = None) 
     return jax.nn.silu(acc)
 
 
-def _delta_step(s, xs):
-    """One position of the delta rule for every sequence and head: state s f32[B, Hv, dk, dv]
-    and (q, k [B, Hv, dk], v [B, Hv, dv], g, beta [B, Hv]) -> (new state, o f32[B, Hv, dv])."""
-    q_t, k_t, v_t, g_t, b_t = xs
-    s = s * jnp.exp(g_t)[..., None, None]
-    kv = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=_HI)
-    u = (v_t - kv) * b_t[..., None]
-    s = s + k_t[..., :, None] * u[..., None, :]
-    o = jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=_HI)
-    return s, o
-
-
 def recurrent_delta_rule(
-    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    implementation: Implementation | str = Implementation.XLA,
 ) -> tuple[jax.Array, jax.Array]:
-    """One position at a time: a ``lax.scan`` over T. It is kept a loop (not unrolled) so that
-    every row runs the same compiled body: a row's result does not depend on its index in a
-    step's window, which greedy speculation's exactness against one-row decoding needs.
+    """One position at a time. XLA (the default, what the hybrid target's steps run): a
+    ``lax.scan`` over T, which XLA unrolls away at T = 1 and so may round a one-row step's row
+    differently from the same row in a longer step. AUTO / PALLAS: on a GPU
+    ``pallas_kernels.recurrent_delta_rule``'s kernel, in which every position runs the same loop
+    body (a row's result independent of the step's row count).
 
     q, k: [B, T, Hv, dk]; v: [B, T, Hv, dv]; g, beta: [B, T, Hv]; state: f32[B, Hv, dk, dv].
     Returns (o f32[B, T, Hv, dv], states f32[B, T, Hv, dk, dv]: the state after each position).
     """
-
-    def body(s, xs):
-        s, o = _delta_step(s, xs)
-        return s, (o, s)
-
-    xs = tuple(jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta))
-    _, (o, states) = jax.lax.scan(body, state.astype(jnp.float32), xs)
-    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+    return pk.recurrent_delta_rule(q, k, v, g, beta, state, implementation=implementation)
 
 
 def tree_delta_rule(
@@ -131,7 +122,7 @@ def tree_delta_rule(
 
     def body(buffer, xs):
         i, parent, step_inputs = xs
-        s, o = _delta_step(buffer[parent + 1], step_inputs)
+        s, o = delta_step(buffer[parent + 1], step_inputs)
         return buffer.at[i + 1].set(s), o
 
     xs = tuple(jnp.moveaxis(a.astype(jnp.float32), 1, 0) for a in (q, k, v, g, beta))

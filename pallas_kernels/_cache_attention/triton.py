@@ -53,7 +53,7 @@ class CacheAttentionConfig:
     """
 
     block_keys: int = 16
-    split_keys: int = 128
+    split_keys: int = 32
     num_warps: int = 4
     num_stages: int = 2
 
