@@ -134,26 +134,32 @@ def reference_ops(setup: bg.Setup, shapes: Shapes, key: jax.Array, emit) -> None
             emit(rowwise(name, fn, args, W, consts))
 
 
+def steps_row0(target, lm, head_cfg, prompts, lengths, first, shapes, key, name, emit, **extra):
+    """Row 0 of W-row steps (token ``first`` [B], random tokens after it) against the one-row
+    step, from one prefill of ``prompts``: the hidden and its logits, bit for bit."""
+    B, T = prompts.shape
+    state = target.init_cache(B, T + 2 * max(shapes.widths))
+    _, state = target.prefill(target.params, state, prompts, lengths)
+    for W in (1, *shapes.widths):
+        tokens = jax.random.randint(jax.random.fold_in(key, W), (B, W), 0, head_cfg.vocab_size)
+        tokens = tokens.at[:, 0].set(first)
+        hidden, _ = target.step(target.params, jax.tree.map(jnp.copy, state), tokens, lengths)
+        logits = lm_head(lm, hidden[:, 0], cfg=head_cfg)
+        if W == 1:
+            one_hidden, one_logits = hidden[:, 0], logits
+            continue
+        emit(dict(compare(f"{name}_hidden", W, B * W, hidden[:, 0], one_hidden), **extra))
+        emit(dict(compare(f"{name}_logits", W, B * W, logits, one_logits), **extra))
+
+
 def reference_steps(setup: bg.Setup, shapes: Shapes, key: jax.Array, emit) -> None:
     """The reference target's whole step: row 0 of a W-row step against the one-row step."""
     cfg, B = setup.tcfg, shapes.batch
+    prompts, lengths = bg.random_prompts(B, shapes.context, cfg.vocab_size, 0)
     for prec, head in setup.heads.items():
         target = bg.gen.reference_target(cfg, setup.layers, head)
-        T = shapes.context
-        prompts, lengths = bg.random_prompts(B, T, cfg.vocab_size, 0)
-        cache = target.init_cache(B, T + max(shapes.widths) + 1)
-        _, cache = target.prefill(target.params, cache, prompts, lengths)
-        for W in (1, *shapes.widths):
-            tokens = jax.random.randint(jax.random.fold_in(key, W), (B, W), 0, cfg.vocab_size)
-            tokens = tokens.at[:, 0].set(7)
-            copy = jax.tree.map(jnp.copy, cache)
-            hidden, _ = target.step(target.params, copy, tokens, lengths)
-            logits = lm_head(head, hidden[:, 0], cfg=cfg.lm_head_config())
-            if W == 1:
-                one_hidden, one_logits = hidden[:, 0], logits
-                continue
-            emit(dict(compare("step_hidden", W, B * W, hidden[:, 0], one_hidden), head=prec))
-            emit(dict(compare("step_logits", W, B * W, logits, one_logits), head=prec))
+        hcfg = cfg.lm_head_config()
+        steps_row0(target, head, hcfg, prompts, lengths, 7, shapes, key, "step", emit, head=prec)
 
 
 def pair_ops_and_steps(shapes: Shapes, key: jax.Array, emit) -> None:
@@ -190,19 +196,8 @@ def pair_ops_and_steps(shapes: Shapes, key: jax.Array, emit) -> None:
             emit(compare(f"{name}_state", W, B * W, st_all[:, 0], st_one[:, 0]))
 
     prompts, lengths, _ = bg.text_prompts(tcfg, B, 64, 0)
-    state = target.init_cache(B, 64 + 2 * max(shapes.widths))
-    _, state = target.prefill(target.params, state, prompts, lengths)
-    for W in (1, *shapes.widths):
-        tokens = jax.random.randint(jax.random.fold_in(key, W), (B, W), 0, tcfg.vocab_size)
-        tokens = tokens.at[:, 0].set(prompts[:, -1])
-        copy = jax.tree.map(jnp.copy, state)
-        hidden, _ = target.step(target.params, copy, tokens, lengths)
-        logits = lm_head(head, hidden[:, 0], cfg=tcfg.lm_head_config())
-        if W == 1:
-            one_hidden, one_logits = hidden[:, 0], logits
-            continue
-        emit(compare("pair_step_hidden", W, B * W, hidden[:, 0], one_hidden))
-        emit(compare("pair_step_logits", W, B * W, logits, one_logits))
+    hcfg, first = tcfg.lm_head_config(), prompts[:, -1]
+    steps_row0(target, head, hcfg, prompts, lengths, first, shapes, key, "pair_step", emit)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ Every backend declares where it compiles (``supported_on(device)``) and what it 
 ``mtpjax``.
 """
 
-from pallas_kernels._cache_attention.api import cache_attention, cache_attention_uses_kernel
+from pallas_kernels._cache_attention.api import cache_attention
 from pallas_kernels._cache_attention.reference import cache_attention_reference
 from pallas_kernels._cache_attention.triton import CacheAttentionConfig
 from pallas_kernels._delta_rule.api import recurrent_delta_rule
@@ -73,7 +73,6 @@ __all__ = [
     "WeightFormat",
     "cache_attention",
     "cache_attention_reference",
-    "cache_attention_uses_kernel",
     "decode_e2m1",
     "l2_normalize",
     "linear",

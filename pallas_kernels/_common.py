@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.implementation import Implementation
+
 #: ``e2m1 * E2M1_F16_BIAS`` is the float16 value the nibble decoder produces.
 E2M1_F16_BIAS = 2.0**-14
 #: Fold this into the output scale to undo :data:`E2M1_F16_BIAS`.
@@ -45,6 +47,21 @@ def is_pow2(a: int) -> bool:
 def default_device():
     """The device ops dispatch for: the first of JAX's default backend."""
     return jax.devices()[0]
+
+
+def runs_triton_kernel(implementation, reason: str | None, *, op: str) -> bool:
+    """Whether an op whose one Pallas backend is a Triton kernel runs it: AUTO on a GPU when the
+    kernel takes the operands (``reason`` None: else why not), PALLAS or TRITON always
+    (interpret mode off a GPU; NotImplementedError naming ``reason`` when it cannot), XLA never;
+    MOSAIC_GPU is refused."""
+    impl = Implementation.parse(implementation)
+    if impl is Implementation.MOSAIC_GPU:
+        raise NotImplementedError(f"{op} has no Mosaic GPU backend; use triton")
+    if impl in (Implementation.PALLAS, Implementation.TRITON):
+        if reason is not None:
+            raise NotImplementedError(f"no Pallas {op} for these operands: {reason}")
+        return True
+    return impl is Implementation.AUTO and reason is None and default_device().platform == "gpu"
 
 
 def in_row_chunks(kernel, x: jax.Array, chunk: int, n: int) -> jax.Array:

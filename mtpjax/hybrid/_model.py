@@ -507,6 +507,7 @@ def _run_step(params, head, state, tokens, start, parents, cfg, implementation):
     batch_idx = jnp.arange(B)[:, None]
     if parents is None:
         positions, conv_rows = slots, None
+        lengths = positions + 1  # each row attends to the rows up to its position
     else:
         parents = jnp.asarray(parents, jnp.int32)
         depth = tree_depths(parents)
@@ -526,8 +527,7 @@ def _run_step(params, head, state, tokens, start, parents, cfg, implementation):
                 where = (group, batch_idx, slots)
                 k_all = st.k.at[where].set(k.astype(st.k.dtype), mode="drop")
                 v_all = st.v.at[where].set(v.astype(st.v.dtype), mode="drop")
-                if parents is None:  # each row attends to the rows up to its position
-                    lengths = positions + 1
+                if parents is None:
                     o = attend_cache(
                         q, k_all, v_all, lengths, layer=group, implementation=implementation
                     )

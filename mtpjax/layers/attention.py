@@ -149,23 +149,18 @@ def attend_cache(
 
     On a GPU (AUTO) ``pallas_kernels.cache_attention``'s kernel, which reads a stack's entry in
     place and whose rows' results do not depend on the row count or the cache length (a
-    target's verify step then computes its first row as the one-row step does); elsewhere
-    ``attend`` under the same mask.
+    target's verify step then computes its first row as the one-row step does); elsewhere its
+    reference, ``attend``'s operations under the same mask.
     """
-    if pk.cache_attention_uses_kernel(q, k_cache, implementation):
-        return pk.cache_attention(
-            q,
-            k_cache,
-            v_cache,
-            lengths,
-            scale=q.shape[-1] ** -0.5,
-            layer=layer,
-            implementation=implementation,
-        )
-    if layer is not None:
-        k_cache, v_cache = k_cache[layer], v_cache[layer]
-    mask = jnp.arange(k_cache.shape[1], dtype=jnp.int32)[None, None, :] < lengths[:, :, None]
-    return attend(q, k_cache, v_cache, mask)
+    return pk.cache_attention(
+        q,
+        k_cache,
+        v_cache,
+        lengths,
+        scale=q.shape[-1] ** -0.5,
+        layer=layer,
+        implementation=implementation,
+    )
 
 
 def output_projection(

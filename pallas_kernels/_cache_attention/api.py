@@ -24,24 +24,6 @@ from pallas_kernels._cache_attention.reference import cache_attention_reference,
 from pallas_kernels.implementation import Implementation
 
 
-def cache_attention_uses_kernel(
-    q: jax.Array, k_cache: jax.Array, implementation: Implementation | str
-) -> bool:
-    """Whether ``cache_attention`` runs the kernel for these operands (NotImplementedError when
-    PALLAS or TRITON asks for it and it cannot take them)."""
-    impl = Implementation.parse(implementation)
-    if impl is Implementation.MOSAIC_GPU:
-        raise NotImplementedError("cache attention has no Mosaic GPU backend; use triton")
-    reason = triton.supports(q, k_cache)
-    if impl in (Implementation.PALLAS, Implementation.TRITON):
-        if reason is not None:
-            raise NotImplementedError(f"no Pallas cache attention for these operands: {reason}")
-        return True
-    return (
-        impl is Implementation.AUTO and reason is None and triton.supported_on(C.default_device())
-    )
-
-
 def cache_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -56,7 +38,7 @@ def cache_attention(
     """Softmax attention of each query row over its sequence's cache rows -> f32[B, S, Nq, D]."""
     check_operands(q, k_cache, v_cache, lengths, layer)
     kw = dict(scale=float(scale), layer=layer)
-    if not cache_attention_uses_kernel(q, k_cache, implementation):
+    if not C.runs_triton_kernel(implementation, triton.supports(q, k_cache), op="cache attention"):
         return cache_attention_reference(q, k_cache, v_cache, lengths, **kw)
     interpret = not triton.supported_on(C.default_device())
     return triton.cache_attention(

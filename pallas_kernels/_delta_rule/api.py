@@ -26,17 +26,8 @@ def recurrent_delta_rule(
     implementation: Implementation | str = Implementation.AUTO,
 ) -> tuple[jax.Array, jax.Array]:
     """(o f32[B, T, Hv, dv], the state after each position f32[B, T, Hv, dk, dv])."""
-    impl = Implementation.parse(implementation)
-    if impl is Implementation.MOSAIC_GPU:
-        raise NotImplementedError("the delta rule has no Mosaic GPU backend; use triton")
     check_operands(q, k, v, g, beta, state)
-    reason = triton.supports(q, v)
-    on_gpu = triton.supported_on(C.default_device())
-    if impl in (Implementation.PALLAS, Implementation.TRITON) and reason is not None:
-        raise NotImplementedError(f"no Pallas delta rule for these operands: {reason}")
-    kernel = impl in (Implementation.PALLAS, Implementation.TRITON) or (
-        impl is Implementation.AUTO and on_gpu and reason is None
-    )
-    if not kernel:
+    if not C.runs_triton_kernel(implementation, triton.supports(q, v), op="delta rule"):
         return recurrent_delta_rule_reference(q, k, v, g, beta, state)
-    return triton.recurrent_delta_rule(q, k, v, g, beta, state, interpret=not on_gpu)
+    interpret = not triton.supported_on(C.default_device())
+    return triton.recurrent_delta_rule(q, k, v, g, beta, state, interpret=interpret)

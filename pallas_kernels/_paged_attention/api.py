@@ -45,24 +45,21 @@ def paged_attention(
     cannot take the operands: latent rows among them); XLA the reference. ``config``: the
     kernel's tiles (None: its heuristic).
     """
-    impl = Implementation.parse(implementation)
-    if impl is Implementation.MOSAIC_GPU:
-        raise NotImplementedError("paged attention has no Mosaic GPU backend; use triton")
-    if impl is Implementation.TRITON:
-        impl = Implementation.PALLAS
     check_operands(q, k_pool, v_pool, block_table, seq_len, k_scale, v_scale, value_dim)
     scales = dict(scale=float(scale), k_scale=k_scale, v_scale=v_scale)
     reason = triton.supports(q, k_pool, v_pool)
-    on_gpu = triton.supported_on(C.default_device())
-    if impl is Implementation.PALLAS and reason is not None:
-        raise NotImplementedError(f"no Pallas paged attention for these operands: {reason}")
-    use_kernel = impl is Implementation.PALLAS or (
-        impl is Implementation.AUTO and on_gpu and reason is None
-    )
+    use_kernel = C.runs_triton_kernel(implementation, reason, op="paged attention")
     if not use_kernel:
         return paged_attention_reference(
             q, k_pool, v_pool, block_table, seq_len, value_dim=value_dim, **scales
         )
     return triton.paged_attention(
-        q, k_pool, v_pool, block_table, seq_len, config=config, interpret=not on_gpu, **scales
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        seq_len,
+        config=config,
+        interpret=not triton.supported_on(C.default_device()),
+        **scales,
     )

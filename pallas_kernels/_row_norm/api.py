@@ -19,19 +19,14 @@ from pallas_kernels.implementation import Implementation
 
 
 def _row_norm(x, weight, *, eps, mean, zero_centered, implementation) -> jax.Array:
-    impl = Implementation.parse(implementation)
-    if impl is Implementation.MOSAIC_GPU:
-        raise NotImplementedError("the row norms have no Mosaic GPU backend; use triton")
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(
             f"weight of shape {tuple(weight.shape)} does not match x's last axis {x.shape[-1]}"
         )
-    on_gpu = triton.supported_on(C.default_device())
-    if impl is Implementation.XLA or (impl is Implementation.AUTO and not on_gpu):
-        return row_norm_reference(x, weight, eps=eps, mean=mean, zero_centered=zero_centered)
-    return triton.row_norm(
-        x, weight, eps=eps, mean=mean, zero_centered=zero_centered, interpret=not on_gpu
-    )
+    kw = dict(eps=eps, mean=mean, zero_centered=zero_centered)
+    if not C.runs_triton_kernel(implementation, None, op="the row norm"):
+        return row_norm_reference(x, weight, **kw)
+    return triton.row_norm(x, weight, interpret=not triton.supported_on(C.default_device()), **kw)
 
 
 def rms_norm(
