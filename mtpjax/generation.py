@@ -43,9 +43,8 @@ On a GPU the target steps run kernels whose rows do not depend on the row count 
 length (``pallas_kernels``: the row norms, the cache attention, the GEMVs with split-K slices cut
 at fixed places and summed in order, one LM-head family for every width), so there a one-row
 plain decoder (``step_width=1``) gives the speculative loop's tokens too: measured on the H200
-for the reference target (BENCHMARKS.md). The hybrid target's Gated DeltaNet layers still run
-XLA's delta rule, whose one-row step rounds differently; its row-invariant kernel
-(``implementation="pallas"`` of ``mtpjax.hybrid.recurrent_delta_rule``) is not yet its default.
+for the reference target and the shipped hybrid pair, whose Gated DeltaNet steps run the delta
+rule's kernel there (``pallas_kernels.recurrent_delta_rule``; BENCHMARKS.md).
 
 Shapes: ``[B]`` sequences, ``[T]`` padded prompt width, ``[N]`` max_new_tokens, ``[K]`` drafts
 per round, ``[W]`` target rows per step (``K + 1`` for speculation), ``H`` hidden, ``V`` vocab,

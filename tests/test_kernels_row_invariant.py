@@ -119,9 +119,7 @@ def test_a_row_with_nothing_to_attend_gives_zeros():
     np.testing.assert_array_equal(np.asarray(got[0, 1]), 0.0)
 
 
-def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache():
-    q, k, v, lengths = _attention_inputs(2, L=90)
-    kw = dict(scale=0.2, implementation=KERNEL, config=CFG)
+def _check_rows_alone_and_over_a_longer_cache(q, k, v, lengths, **kw):
     together = np.asarray(pk.cache_attention(q, k, v, lengths, **kw))
     for s in range(q.shape[1]):
         alone = pk.cache_attention(q[:, s : s + 1], k, v, lengths[:, s : s + 1], **kw)
@@ -130,6 +128,21 @@ def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache
     pad = ((0, 0), (0, 77), (0, 0), (0, 0))
     longer = pk.cache_attention(q, jnp.pad(k, pad), jnp.pad(v, pad), lengths, **kw)
     np.testing.assert_array_equal(np.asarray(longer), together)
+
+
+def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache():
+    # 4 rows x 6 query heads per KV head: 24 rows, two 16-row chunks; a row alone is in the first.
+    q, k, v, lengths = _attention_inputs(2, S=4, n_q=12, L=90)
+    _check_rows_alone_and_over_a_longer_cache(
+        q, k, v, lengths, scale=0.2, implementation=KERNEL, config=CFG
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_an_attention_row_is_the_same_alone_at_27b_shapes():
+    q, k, v, lengths = _attention_inputs(4, B=8, S=5, n_q=24, n_kv=4, d=256, L=400)
+    _check_rows_alone_and_over_a_longer_cache(q, k, v, lengths, scale=256**-0.5)
 
 
 def test_a_stacked_entry_is_read_as_the_entry_alone():

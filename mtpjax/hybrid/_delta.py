@@ -85,9 +85,9 @@ def recurrent_delta_rule(
     *,
     implementation: Implementation | str = Implementation.XLA,
 ) -> tuple[jax.Array, jax.Array]:
-    """One position at a time. XLA (the default, what the hybrid target's steps run): a
-    ``lax.scan`` over T, which XLA unrolls away at T = 1 and so may round a one-row step's row
-    differently from the same row in a longer step. AUTO / PALLAS: on a GPU
+    """One position at a time. XLA (this function's default): a ``lax.scan`` over T, which XLA
+    unrolls away at T = 1 and so may round a one-row step's row differently from the same row in
+    a longer step. AUTO (what the hybrid target's chain steps pass) / PALLAS: on a GPU
     ``pallas_kernels.recurrent_delta_rule``'s kernel, in which every position runs the same loop
     body (a row's result independent of the step's row count).
 

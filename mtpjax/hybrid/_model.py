@@ -546,7 +546,7 @@ def _run_step(params, head, state, tokens, start, parents, cfg, implementation):
         conv = causal_conv(xp, gdn.conv1d, conv_rows)
         q, k, v, g, beta = _gdn_core_inputs(gdn, conv, b, alpha, cfg, implementation)
         if parents is None:
-            o, states = recurrent_delta_rule(q, k, v, g, beta, s0)
+            o, states = recurrent_delta_rule(q, k, v, g, beta, s0, implementation=implementation)
         else:
             o, states = tree_delta_rule(q, k, v, g, beta, s0, parents)
         x = x + _gdn_output(gdn, o, z, cfg, implementation)

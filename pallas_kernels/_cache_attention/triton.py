@@ -1,16 +1,19 @@
 """Triton backend of ``cache_attention``: each query row over its sequence's contiguous KV cache.
 
-The grid is (rows, Nkv, splits): a program takes one query row's G query heads of one KV head
-(padded to 16 rows for the dot) and the cache rows of one split, walks them ``block_keys`` at a
-time with an online softmax in F32, and writes its unnormalised partial output with its running
-max and sum; a second kernel merges a row's splits in order. The products are F32 at IEEE
+The grid is (B, Nkv, splits): a program takes every query row of one sequence's window under
+one KV head (the S x G query heads, in fixed chunks of 16 rows, one dot each) and the cache rows
+of one split, loads each block of ``block_keys`` keys once for all its chunks, and keeps an
+online softmax in F32 per row; it writes each row's unnormalised partial output with its running
+max and sum, and a second kernel merges a row's splits in order. The products are F32 at IEEE
 precision (no TF32), like the reference's HIGHEST.
 
 A row's result does not depend on how many rows share the call, nor on the cache's length:
-every program's tiles are fixed, a split always covers ``split_keys`` cache rows from a multiple
-of it (never a share of the call's shape), splits past a row's length contribute exact zeros,
-and the merge adds the splits in their order. A verify step's first row is then computed bit for
-bit as the one-row plain step computes it, which greedy speculation's exactness rests on.
+every dot is 16 rows by one key block whatever the window, a split always covers
+``split_keys`` cache rows from a multiple of it (never a share of the call's shape), blocks past
+a row's length (a program runs to its longest row) leave the row's sums unchanged bit for bit,
+splits past it contribute exact zeros, and the merge adds the splits in their order. A verify
+step's first row is then computed bit for bit as the one-row plain step computes it, which
+greedy speculation's exactness rests on.
 
 Shapes:
   q        f32[B, S, Nq, D]    S query rows per sequence
@@ -38,6 +41,8 @@ from pallas_kernels._cache_attention.reference import check_operands
 name = "triton"
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _HI = jax.lax.Precision.HIGHEST
+#: Query rows per dot: fixed, so a row's products never depend on how many rows share a program.
+_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,73 +89,77 @@ def supports(q: jax.Array, k_cache: jax.Array) -> str | None:
     return None
 
 
-def _split_kernel(*refs, rows_per_seq, scale, bk, steps, stacked):
+def _dot(a, b, contract):
+    return jax.lax.dot_general(
+        a, b, ((contract[:1], contract[1:]), ((), ())), precision=_HI,
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+
+
+def _split_kernel(*refs, scale, bk, steps, stacked):
     if stacked:
         layer_ref, q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref = refs
         at = (layer_ref[0],)
     else:
         q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref = refs
         at = ()
-    r, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    b = r // rows_per_seq
-    g_pad, d = q_ref.shape[2], q_ref.shape[3]
+    b, h, c, s = (pl.program_id(i) for i in range(4))
+    rows = pl.ds(c * _ROWS, _ROWS)
+    d = q_ref.shape[-1]
     cache_len = k_ref.shape[-3]
-    q = q_ref[r, h]  # f32[g_pad, d]
+    q = q_ref[b, h, rows]  # f32[16, d]
     qk_scale = scale * math.log2(math.e)
-    length = jnp.minimum(len_ref[r], cache_len)
+    lengths = jnp.minimum(len_ref[b, rows], cache_len)
     first = s * steps * bk
-    n_steps = jnp.clip((length - first + bk - 1) // bk, 0, steps)
+    # The loop runs to the chunk's longest row; for a shorter row the extra blocks are fully
+    # masked and leave its sums unchanged bit for bit (correction exp2(0) = 1, nothing added).
+    n_steps = jnp.clip((lengths.max() - first + bk - 1) // bk, 0, steps)
     key_lane = jnp.arange(bk, dtype=jnp.int32)
     dim_lane = jnp.arange(d, dtype=jnp.int32)
 
     def body(j, carry):
         acc, m_i, l_i = carry
         keys = first + j * bk + key_lane
-        ok = keys < length
         idx = (*at, b, keys[:, None], h, dim_lane[None, :])
         in_cache = jnp.broadcast_to((keys < cache_len)[:, None], (bk, d))
         k = plgpu.load(k_ref.at[idx], mask=in_cache, other=0).astype(jnp.float32)
         v = plgpu.load(v_ref.at[idx], mask=in_cache, other=0).astype(jnp.float32)
-        qk = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32
-        )
-        qk = jnp.where(ok[None, :], qk * qk_scale, _NEG)
+        ok = keys[None, :] < lengths[:, None]  # [16, bk]
+        qk = jnp.where(ok, _dot(q, k, (1, 1)) * qk_scale, _NEG)
         m_new = jnp.maximum(m_i, jnp.max(qk, axis=1))
         corr = jnp.exp2(m_i - m_new)
-        p = jnp.where(ok[None, :], jnp.exp2(qk - m_new[:, None]), 0.0)
+        p = jnp.where(ok, jnp.exp2(qk - m_new[:, None]), 0.0)
         l_new = l_i * corr + jnp.sum(p, axis=1)
-        pv = jax.lax.dot_general(
-            p, v, (((1,), (0,)), ((), ())), precision=_HI, preferred_element_type=jnp.float32
-        )
-        return acc * corr[:, None] + pv, m_new, l_new
+        return acc * corr[:, None] + _dot(p, v, (1, 0)), m_new, l_new
 
     init = (
-        jnp.zeros((g_pad, d), jnp.float32),
-        jnp.full((g_pad,), _NEG, jnp.float32),
-        jnp.zeros((g_pad,), jnp.float32),
+        jnp.zeros((_ROWS, d), jnp.float32),
+        jnp.full((_ROWS,), _NEG, jnp.float32),
+        jnp.zeros((_ROWS,), jnp.float32),
     )
     acc, m_i, l_i = jax.lax.fori_loop(0, n_steps, body, init)
-    o_ref[r, h, s] = acc
-    m_ref[r, h, s] = m_i
-    l_ref[r, h, s] = l_i
+    o_ref[b, h, s, rows] = acc
+    m_ref[b, h, s, rows] = m_i
+    l_ref[b, h, s, rows] = l_i
 
 
 def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
-    """One (row, KV head): the splits' partial outputs merged in split order."""
-    r, h = pl.program_id(0), pl.program_id(1)
+    """One (sequence, KV head, chunk): the chunk's split partials merged in split order."""
+    b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = pl.ds(c * _ROWS, _ROWS)
+    d = o_ref.shape[-1]
     m_all = jax.lax.fori_loop(
-        0, splits, lambda s, m: jnp.maximum(m, m_ref[r, h, s]), m_ref[r, h, 0]
+        0, splits, lambda s, m: jnp.maximum(m, m_ref[b, h, s, rows]), m_ref[b, h, 0, rows]
     )
 
     def add(s, carry):
         num, den = carry
-        w = jnp.exp2(m_ref[r, h, s] - m_all)
-        return num + o_ref[r, h, s] * w[:, None], den + l_ref[r, h, s] * w
+        w = jnp.exp2(m_ref[b, h, s, rows] - m_all)
+        return num + o_ref[b, h, s, rows] * w[:, None], den + l_ref[b, h, s, rows] * w
 
-    g_pad, d = o_ref.shape[3], o_ref.shape[4]
-    init = (jnp.zeros((g_pad, d), jnp.float32), jnp.zeros((g_pad,), jnp.float32))
+    init = (jnp.zeros((_ROWS, d), jnp.float32), jnp.zeros((_ROWS,), jnp.float32))
     num, den = jax.lax.fori_loop(0, splits, add, init)
-    out_ref[r, h] = num / jnp.where(den > 0, den, 1.0)[:, None]
+    out_ref[b, h, rows] = num / jnp.where(den > 0, den, 1.0)[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
@@ -173,18 +182,20 @@ def cache_attention(
     B, S, n_q, d = q.shape
     L, n_kv = k_cache.shape[-3], k_cache.shape[-2]
     g = n_q // n_kv
-    g_pad = max(16, C.next_pow2(g))
-    R = B * S
+    chunks = C.cdiv(S * g, _ROWS)
+    r_pad = chunks * _ROWS
     steps = cfg.split_keys // cfg.block_keys
     splits = C.cdiv(L, cfg.split_keys)
-    qg = q.astype(jnp.float32).reshape(R, n_kv, g, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, g_pad - g), (0, 0)))
+    # A sequence's window rows side by side under each KV head: row (s, j) of head h at s*g + j.
+    qw = q.astype(jnp.float32).reshape(B, S, n_kv, g, d).transpose(0, 2, 1, 3, 4)
+    qw = jnp.pad(qw.reshape(B, n_kv, S * g, d), ((0, 0), (0, 0), (0, r_pad - S * g), (0, 0)))
+    row_len = jnp.repeat(lengths.astype(jnp.int32), g, axis=1)
+    row_len = jnp.pad(row_len, ((0, 0), (0, r_pad - S * g)))  # padding rows attend to nothing
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     f32 = jnp.float32
     stacked = layer is not None
     kernel = functools.partial(
         _split_kernel,
-        rows_per_seq=S,
         scale=float(scale),
         bk=cfg.block_keys,
         steps=steps,
@@ -194,21 +205,22 @@ def cache_attention(
     o, m, l = pl.pallas_call(
         kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((R, n_kv, splits, g_pad, d), f32),
-            jax.ShapeDtypeStruct((R, n_kv, splits, g_pad), f32),
-            jax.ShapeDtypeStruct((R, n_kv, splits, g_pad), f32),
+            jax.ShapeDtypeStruct((B, n_kv, splits, r_pad, d), f32),
+            jax.ShapeDtypeStruct((B, n_kv, splits, r_pad), f32),
+            jax.ShapeDtypeStruct((B, n_kv, splits, r_pad), f32),
         ),
-        grid=(R, n_kv, splits),
+        grid=(B, n_kv, chunks, splits),
         compiler_params=params,
         interpret=interpret,
         name="cache_attention",
-    )(*entry, qg, k_cache, v_cache, lengths.reshape(R).astype(jnp.int32))
+    )(*entry, qw, k_cache, v_cache, row_len)
     out = pl.pallas_call(
         functools.partial(_merge_kernel, splits=splits),
-        out_shape=jax.ShapeDtypeStruct((R, n_kv, g_pad, d), f32),
-        grid=(R, n_kv),
+        out_shape=jax.ShapeDtypeStruct((B, n_kv, r_pad, d), f32),
+        grid=(B, n_kv, chunks),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="cache_attention_merge",
     )(o, m, l)
-    return out[:, :, :g].reshape(B, S, n_q, d)
+    out = out[:, :, : S * g].reshape(B, n_kv, S, g, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(B, S, n_q, d)
