@@ -2,9 +2,12 @@
 ``mtpjax generate DIR`` (with and without speculation) load the hybrid target, convert the MTP
 head once into the cache and reuse it, and greedy speculation equals plain greedy decoding.
 
-The checkpoint has Qwen3.5-0.8B's widths (vocab 248320, hidden 1024, full attention 8 query / 2
-KV heads of 256, Gated DeltaNet 16 key / 16 value heads of 128, FFN 3584, tied embeddings, one
-MTP layer) at 4 layers (3 GDN, 1 full attention) of random BF16 weights, written once per session.
+The checkpoint has Qwen3.5-0.8B's layer widths (hidden 1024, full attention 8 query / 2 KV heads
+of 256, Gated DeltaNet 16 key / 16 value heads of 128, FFN 3584, tied embeddings, one MTP layer)
+at 4 layers (3 GDN, 1 full attention) of random BF16 weights, written once per session. Its
+vocabulary is 16384 rows, not the model's 248320: the shipped tokenizer has 4096 ids, and the
+full table (half a gigabyte in BF16, converted into the drafter, saved and widened on every CPU
+call) would double the file's time without reaching any other code.
 Every run uses one prompt, one k and one token count, so the speculative and the plain loop each
 compile once for the whole file.
 """
@@ -26,7 +29,7 @@ from mtpjax import demo
 from mtpjax.__main__ import main
 
 LIN, FULL = "linear_attention", "full_attention"
-V, H, I = 248320, 1024, 3584  # vocab, hidden, FFN width
+V, H, I = 16384, 1024, 3584  # vocab, hidden, FFN width
 NQ, NKV, D = 8, 2, 256  # full attention: query / KV heads, head dim
 HK, HV, DK, DV, CONV = 16, 16, 128, 128, 4  # GDN: key / value heads and dims, conv kernel
 LAYER_TYPES = [LIN, LIN, LIN, FULL]
@@ -67,7 +70,7 @@ def config() -> dict:
             mrope_interleaved=True,
         ),
         tie_word_embeddings=True,
-        eos_token_id=248044,
+        eos_token_id=V - 1,
         dtype="bfloat16",
     )
     return dict(
