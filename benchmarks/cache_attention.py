@@ -1,6 +1,7 @@
 """The target steps' cache attention (``pallas_kernels.cache_attention``) against XLA's.
 
     python -m benchmarks.cache_attention --json $OUT/cache_attention_h200.json
+    python -m benchmarks.cache_attention --products bf16x6,ieee --json $OUT/ca.json
     python -m benchmarks.cache_attention --smoke --json /tmp/ca.json   # CPU, tiny shapes
 
 At the 27B-like target's shapes (24 query heads over 4 KV heads of 256), each case (B
@@ -10,7 +11,9 @@ does, and reports microseconds per layer for the kernel (``kernel_us``), for XLA
 einsum attention (``xla_us``, the op's reference) and for a plain read of the attended cache
 rows (``read_us``: the memory floor), with their ratios; ``max_err`` is the kernel's largest
 difference from the reference, and ``row0_alone`` whether row 0 of the S-row call equals the
-one-row call bit for bit (what greedy speculation's exactness rests on).
+one-row call bit for bit (what greedy speculation's exactness rests on). ``--products`` times
+the kernel once per way of forming its dots' products (``CacheAttentionConfig.products``), one
+record each.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks import harness
+from pallas_kernels._cache_attention.triton import PRODUCTS, CacheAttentionConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +95,10 @@ def inputs(case: Case, heads: dict, key: jax.Array):
     return q, k, v, jnp.maximum(lengths, 1)
 
 
-def measure(case: Case, heads: dict, reps: int) -> dict:
+def measure(case: Case, heads: dict, reps: int, products: tuple[str, ...]) -> list[dict]:
+    """One record per ``products`` setting of the kernel; the read and XLA's time shared."""
     q, k, v, lengths = inputs(case, heads, jax.random.key(0))
     scale = heads["d"] ** -0.5
-    kernel = functools.partial(pk.cache_attention, scale=scale, implementation="pallas")
     xla = functools.partial(pk.cache_attention, scale=scale, implementation="xla")
     n = case.attended
 
@@ -103,24 +107,33 @@ def measure(case: Case, heads: dict, reps: int) -> dict:
         return jnp.sum(k[:, :, :n].astype(jnp.float32)) + jnp.sum(v[:, :, :n].astype(jnp.float32))
 
     per_layer = 1e6 / heads["layers"]
-    rec = dict(dataclasses.asdict(case), **heads)
-    rec["read_us"] = median_seconds(read, k, v, reps=reps) * per_layer
-    rec["xla_us"] = median_seconds(over_layers(xla, heads["layers"]), q, k, v, lengths, reps=reps)
-    rec["xla_us"] *= per_layer
-    rec["kernel_us"] = median_seconds(
-        over_layers(kernel, heads["layers"]), q, k, v, lengths, reps=reps
-    )
-    rec["kernel_us"] *= per_layer
-    rec["kernel_over_xla"] = rec["kernel_us"] / rec["xla_us"]
-    rec["kernel_over_read"] = rec["kernel_us"] / rec["read_us"]
-    one = jax.jit(kernel)
+    read_us = median_seconds(read, k, v, reps=reps) * per_layer
+    xla_us = median_seconds(over_layers(xla, heads["layers"]), q, k, v, lengths, reps=reps)
+    xla_us *= per_layer
     layer = jnp.int32(heads["layers"] - 1)
-    got = np.asarray(one(q, k, v, lengths, layer=layer))
     ref = np.asarray(jax.jit(xla)(q, k, v, lengths, layer=layer))
-    rec["max_err"] = float(np.max(np.abs(got - ref)))
-    alone = np.asarray(one(q[:, :1], k, v, lengths[:, :1], layer=layer))
-    rec["row0_alone"] = bool(np.array_equal(alone[:, 0], got[:, 0]))
-    return rec
+    records = []
+    for name in products:
+        kernel = functools.partial(
+            pk.cache_attention,
+            scale=scale,
+            implementation="pallas",
+            config=CacheAttentionConfig(products=name),
+        )
+        rec = dict(dataclasses.asdict(case), **heads, products=name, read_us=read_us)
+        rec["xla_us"] = xla_us
+        rec["kernel_us"] = per_layer * median_seconds(
+            over_layers(kernel, heads["layers"]), q, k, v, lengths, reps=reps
+        )
+        rec["kernel_over_xla"] = rec["kernel_us"] / rec["xla_us"]
+        rec["kernel_over_read"] = rec["kernel_us"] / rec["read_us"]
+        one = jax.jit(kernel)
+        got = np.asarray(one(q, k, v, lengths, layer=layer))
+        rec["max_err"] = float(np.max(np.abs(got - ref)))
+        alone = np.asarray(one(q[:, :1], k, v, lengths[:, :1], layer=layer))
+        rec["row0_alone"] = bool(np.array_equal(alone[:, 0], got[:, 0]))
+        records.append(rec)
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,23 +141,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument(
+        "--products",
+        default="bf16x6",
+        help=f"the kernel's dot products to time, comma-separated from {','.join(PRODUCTS)}",
+    )
     args = ap.parse_args(argv)
+    products = tuple(args.products.split(","))
+    if unknown := sorted(set(products) - set(PRODUCTS)):
+        ap.error(f"--products: unknown {unknown[0]!r}, expected one of {sorted(PRODUCTS)}")
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
     heads, cases = (SMOKE_HEADS, SMOKE_CASES) if args.smoke else (HEADS, CASES)
     run = harness.run_info("benchmarks.cache_attention", sys.argv[1:] if argv is None else argv)
     records: list[dict] = []
     for i, case in enumerate(cases, 1):
-        rec = measure(case, heads, 1 if args.smoke else args.reps)
-        records.append(rec)
+        new = measure(case, heads, 1 if args.smoke else args.reps, products)
+        records += new
         harness.write_records(args.json, records, run)
-        print(
-            f"[{i}/{len(cases)}] B={case.batch} S={case.rows} L={case.cache_len} {case.dtype}: "
-            f"kernel {rec['kernel_us']:.1f} µs/layer = {rec['kernel_over_xla']:.2f}x XLA, "
-            f"{rec['kernel_over_read']:.1f}x the read; row 0 alone "
-            f"{'equal' if rec['row0_alone'] else 'DIFFERS'}",
-            flush=True,
-        )
+        for rec in new:
+            print(
+                f"[{i}/{len(cases)}] B={case.batch} S={case.rows} L={case.cache_len} "
+                f"{case.dtype} {rec['products']}: kernel {rec['kernel_us']:.1f} µs/layer = "
+                f"{rec['kernel_over_xla']:.2f}x XLA, {rec['kernel_over_read']:.1f}x the read, "
+                f"max err {rec['max_err']:.1e}; row 0 alone "
+                f"{'equal' if rec['row0_alone'] else 'DIFFERS'}",
+                flush=True,
+            )
     return 0
 
 

@@ -5,6 +5,8 @@ interpret mode on the CPU, compiled on a GPU (same bodies; the `gpu` ones at rea
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,10 +104,12 @@ def _oracle(q, k, v, lengths, scale):
     return out
 
 
+@pytest.mark.parametrize("products", sorted(CA.PRODUCTS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_cache_attention_matches_the_reference_and_float64(dtype):
+def test_cache_attention_matches_the_reference_and_float64(dtype, products):
     q, k, v, lengths = _attention_inputs(0, dtype=dtype)
-    got = pk.cache_attention(q, k, v, lengths, scale=0.2, implementation=KERNEL, config=CFG)
+    cfg = dataclasses.replace(CFG, products=products)
+    got = pk.cache_attention(q, k, v, lengths, scale=0.2, implementation=KERNEL, config=cfg)
     ref = pk.cache_attention(q, k, v, lengths, scale=0.2, implementation="xla")
     oracle = _oracle(q, k, v, lengths, 0.2)
     np.testing.assert_allclose(got, oracle, rtol=1e-5, atol=1e-5)
@@ -130,19 +134,23 @@ def _check_rows_alone_and_over_a_longer_cache(q, k, v, lengths, **kw):
     np.testing.assert_array_equal(np.asarray(longer), together)
 
 
-def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache():
+@pytest.mark.parametrize("products", sorted(CA.PRODUCTS))
+def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache(products):
     # 4 rows x 6 query heads per KV head: 24 rows, two 16-row chunks; a row alone is in the first.
     q, k, v, lengths = _attention_inputs(2, S=4, n_q=12, L=90)
+    cfg = dataclasses.replace(CFG, products=products)
     _check_rows_alone_and_over_a_longer_cache(
-        q, k, v, lengths, scale=0.2, implementation=KERNEL, config=CFG
+        q, k, v, lengths, scale=0.2, implementation=KERNEL, config=cfg
     )
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-def test_gpu_an_attention_row_is_the_same_alone_at_27b_shapes():
+@pytest.mark.parametrize("products", sorted(CA.PRODUCTS))
+def test_gpu_an_attention_row_is_the_same_alone_at_27b_shapes(products):
     q, k, v, lengths = _attention_inputs(4, B=8, S=5, n_q=24, n_kv=4, d=256, L=400)
-    _check_rows_alone_and_over_a_longer_cache(q, k, v, lengths, scale=256**-0.5)
+    cfg = CA.CacheAttentionConfig(products=products)
+    _check_rows_alone_and_over_a_longer_cache(q, k, v, lengths, scale=256**-0.5, config=cfg)
 
 
 def test_a_stacked_entry_is_read_as_the_entry_alone():
@@ -175,6 +183,10 @@ def test_cache_attention_errors_name_the_problem():
         pk.cache_attention(q2, k2, v2, l2, scale=1.0, implementation=KERNEL)
     with pytest.raises(ValueError, match="split_keys must be a multiple of block_keys=16"):
         CA.CacheAttentionConfig(block_keys=16, split_keys=40)
+    with pytest.raises(
+        ValueError, match=r"products must be one of \['bf16x6', 'ieee'\], got 'tf32'"
+    ):
+        CA.CacheAttentionConfig(products="tf32")
 
 
 # ---- the recurrent delta rule ---------------------------------------------------------------
