@@ -12,8 +12,11 @@ The target is the reference full-attention target (``mtpjax.reference_target``) 
 weights at the dense 27B shapes: hidden 5120, 24 query and 4 KV heads of 256 (gated), partial
 RoPE 0.25, FFN 17408, vocab 248320, ``--layers`` layers (64 by default: the layers are one
 ``lax.scan``, so the compile does not grow with them; the time per token does), BF16 weights and
-BF16 x BF16 matmuls, its LM head BF16 or NVFP4 (``--heads``); the drafter is
-``benchmarks.propose``'s dense head in BF16 reading the same LM head. Each batch B runs B random
+BF16 x BF16 matmuls, its LM head BF16 or NVFP4 (``--heads``); with ``--target hybrid`` it is the
+hybrid target (``mtpjax.hybrid.target_model``) at Qwen3.5-27B's shapes instead: groups of three
+Gated DeltaNet layers (16 key / 48 value heads of 128) and one such full-attention layer, its
+state keeping K + 1 GDN snapshots for the speculative steps and one for plain decoding. The
+drafter is ``benchmarks.propose``'s dense head in BF16 reading the same LM head. Each batch B runs B random
 prompts of ``--prompt-len`` tokens for ``--new-tokens`` new tokens.
 
 **Synthetic acceptance.** With random weights no draft is ever accepted, so the speculative loop
@@ -70,6 +73,7 @@ import numpy as np
 
 import mtpjax
 from benchmarks import harness
+from benchmarks import hybrid as bh
 from benchmarks import propose as bp
 from mtpjax import demo, hybrid, reference
 from mtpjax import drafter as drafter_lib
@@ -82,6 +86,7 @@ from mtpjax.verify import VerifyOutput, verify
 from mtpjax.verify import metrics as metrics_lib
 
 SECTIONS = ("speed", "cmdbuf", "profile", "exact")
+TARGETS = ("reference", "hybrid")
 HEADS = ("nvfp4", "bf16")  # the target's (and the drafter's) LM head; layers always BF16
 RATE_SETS = {
     "coding": (0.80, 0.62, 0.50, 0.40),  # published Qwen3.5 per-position rates on code
@@ -145,9 +150,25 @@ def compile_all(
 # ---------------------------------------------------------------------------------------------
 
 
-def target_config(*, layers: int, smoke: bool) -> reference.TargetConfig:
-    """The reference target at the drafter's shapes (``benchmarks.propose.head_config``)."""
+def target_config(
+    *, layers: int, smoke: bool, kind: str = "reference"
+) -> reference.TargetConfig | hybrid.HybridConfig:
+    """The ``kind`` target at the drafter's shapes (``benchmarks.propose.head_config``): the
+    reference full-attention target, or the hybrid one in groups of GDN layers closed by a full
+    attention layer ([G, G, G, F], Qwen3.5-27B's; [G, F] for --smoke), ``layers`` a multiple of
+    the group."""
     d = bp.head_config("dense", smoke=smoke)
+    if kind == "hybrid":
+        group = 2 if smoke else 4
+        if layers % group:
+            raise ValueError(f"--layers of the hybrid target: a multiple of {group}, got {layers}")
+        if smoke:
+            return hybrid.HybridConfig.tiny(
+                num_hidden_layers=layers, full_attention_interval=group,
+                hidden_size=d.hidden_size, vocab_size=d.vocab_size,
+                max_position_embeddings=d.max_position_embeddings, compute_dtype="bfloat16",
+            )  # fmt: skip
+        return bh.config_27b("GGGF" * (layers // group), smoke=False)
     return reference.TargetConfig(
         hidden_size=d.hidden_size, num_hidden_layers=layers,
         num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads,
@@ -183,25 +204,46 @@ def init_target(cfg: reference.TargetConfig, key: jax.Array) -> reference.Target
 class Setup:
     """Random weights: one target layer stack and drafter, an LM head per precision."""
 
-    tcfg: reference.TargetConfig
+    tcfg: reference.TargetConfig | hybrid.HybridConfig
     dcfg: DrafterConfig
-    layers: reference.TargetParams
+    layers: reference.TargetParams | hybrid.HybridParams
     drafter: drafter_lib.DrafterParams
     heads: dict
+
+    @property
+    def kind(self) -> str:
+        return "hybrid" if isinstance(self.tcfg, hybrid.HybridConfig) else "reference"
 
     @property
     def head_cfg(self):
         return self.tcfg.lm_head_config()
 
-    def target(self, prec: str) -> gen.TargetModel:
+    def target(self, prec: str, *, rows: int) -> gen.TargetModel:
+        """The target with ``prec``'s head, for steps of up to ``rows`` rows (the hybrid's
+        state keeps that many GDN snapshots, as ``generate`` sizes it: K + 1, or 1 plain)."""
+        if self.kind == "hybrid":
+            return hybrid.target_model(self.tcfg, self.layers, self.heads[prec], max_step=rows)
         return gen.reference_target(self.tcfg, self.layers, self.heads[prec])
 
+    def forward(self, prec: str):
+        """``tokens int[B, T] -> hidden [B, T, H]`` of the whole sequence (the exact section's
+        top-2 gaps)."""
+        head = self.heads[prec]
+        if self.kind == "hybrid":
+            return lambda seq: hybrid.forward(self.layers, head, seq, cfg=self.tcfg)[0]
+        return functools.partial(reference.target_forward, self.layers, head, cfg=self.tcfg)
 
-def build_setup(*, layers: int, heads, smoke: bool, seed: int = 0) -> Setup:
+
+def build_setup(
+    *, layers: int, heads, smoke: bool, seed: int = 0, kind: str = "reference"
+) -> Setup:
     key = jax.random.key(seed)
-    tcfg = target_config(layers=layers, smoke=smoke)
+    tcfg = target_config(layers=layers, smoke=smoke, kind=kind)
     dcfg = bp.head_config("dense", smoke=smoke)
-    params = init_target(tcfg, jax.random.fold_in(key, 1))
+    if kind == "hybrid":  # its own head is dropped: the heads below serve both kinds
+        params = hybrid.init(tcfg, key=jax.random.fold_in(key, 1))[0]
+    else:
+        params = init_target(tcfg, jax.random.fold_in(key, 1))
     drafter = drafter_lib.init(dcfg, key=jax.random.fold_in(key, 2), precision="bf16")
     hk = jax.random.fold_in(key, 3)  # the same embedding values whatever the head's format
     lm = {p: init_lm_head(tcfg.lm_head_config(), key=hk, precision=p) for p in heads}
@@ -463,8 +505,15 @@ def _nbytes(tree) -> int:
 
 def target_step_bytes(setup: Setup, head, *, batch: int, rows: int, cache_rows: int) -> int:
     """The least one target step reads: every layer weight, the LM head weight, and the f32 K/V
-    cache (the reference target attends over all ``cache_rows`` rows, masked)."""
+    cache (the reference target attends over all ``cache_rows`` rows, masked); the hybrid's
+    full-attention layers the same, its GDN layers their conv and recurrent states
+    (``benchmarks.hybrid.step_bytes``)."""
     t = setup.tcfg
+    if setup.kind == "hybrid":
+        parts = bh.step_bytes(
+            t, setup.layers, batch=batch, rows=rows, context=cache_rows, kv_itemsize=4
+        )
+        return parts["total"] + head.weight.nbytes
     kv = 2 * t.num_hidden_layers * batch * cache_rows * t.num_key_value_heads * t.head_dim * 4
     return _nbytes(setup.layers) + head.weight.nbytes + kv + batch * rows * t.hidden_size * 2
 
@@ -489,10 +538,10 @@ def _workers(child) -> int:
 
 def _setup(child, heads) -> Setup:
     o = child.options
-    setup = build_setup(layers=o.layers, heads=heads, smoke=child.smoke, seed=o.seed)
+    setup = build_setup(layers=o.layers, heads=heads, smoke=child.smoke, seed=o.seed, kind=o.target)
     child.emit(
         dict(
-            kind="setup", layers=o.layers, target_bytes=_nbytes(setup.layers),
+            kind="setup", target=o.target, layers=o.layers, target_bytes=_nbytes(setup.layers),
             drafter_bytes=_nbytes(setup.drafter),
             head_bytes={p: setup.heads[p].weight.nbytes for p in heads},
             prompt_len=o.prompt_len, new_tokens=o.new_tokens,
@@ -513,7 +562,7 @@ class Block:
             points,
             variant,
         )
-        self.target, self.head = setup.target(prec), setup.heads[prec]
+        self.head = setup.heads[prec]
         self.N, self.T = o.new_tokens, o.prompt_len
         hc, dcfg = setup.head_cfg, setup.dcfg
         self.prompts = {
@@ -527,22 +576,22 @@ class Block:
             for lim in (self.N, 1):
                 jobs[("baseline", b, lim)] = bp.Job(
                     key=("baseline", b, lim), fn=baseline_fn(hc, lim, impl),
-                    args=(self.target, self.head, p, n),
+                    args=(self.target(1), self.head, p, n),
                 )  # fmt: skip
             cache = jax.eval_shape(
-                lambda b=b: self.target.init_cache(b, gen.cache_length(self.T, self.N, 1))
+                lambda b=b: self.target(1).init_cache(b, gen.cache_length(self.T, self.N, 1))
             )
             tok = jax.ShapeDtypeStruct((b, 1), jnp.int32)
             pos = jax.ShapeDtypeStruct((b,), jnp.int32)
             jobs[("plain_step", b)] = bp.Job(
                 key=("plain_step", b), fn=plain_step_fn(hc, impl),
-                args=(self.target, self.head, cache, tok, pos),
+                args=(self.target(1), self.head, cache, tok, pos),
             )  # fmt: skip
         for k, b in points:
             p, n = self.prompts[b]
             loop = loop_fn(dcfg, hc, self.N, k, impl)
             largs = (
-                self.target,
+                self.target(k + 1),
                 setup.drafter,
                 self.head,
                 p,
@@ -560,9 +609,14 @@ class Block:
             window = jax.ShapeDtypeStruct((b, k + 1), jnp.int32)
             jobs[("verify", b, k)] = bp.Job(
                 key=("verify", b, k), fn=verify_step_fn(hc, impl),
-                args=(self.target, self.head, c.cache, c.state, window, c.position, drafts),
+                args=(self.target(k + 1), self.head, c.cache, c.state, window, c.position,
+                      drafts),
             )  # fmt: skip
         self.jobs = jobs
+
+    def target(self, rows: int) -> gen.TargetModel:
+        """The target for steps of ``rows`` rows: 1 plain, K + 1 speculative."""
+        return self.setup.target(self.prec, rows=rows)
 
     def rates_for(self, k: int, name: str | None) -> jax.Array:
         """The first rate set's (or ``name``'s) first k rates."""
@@ -573,7 +627,9 @@ class Block:
         p, n = self.prompts[b]
         fn = generate_fn(self.setup.dcfg, self.setup.head_cfg, self.N, k, "auto")
         self.jobs[("generate", b, k)] = bp.Job(
-            key=("generate", b, k), fn=fn, args=(self.target, self.setup.drafter, self.head, p, n)
+            key=("generate", b, k),
+            fn=fn,
+            args=(self.target(k + 1), self.setup.drafter, self.head, p, n),
         )
 
     def compile(self) -> dict | None:
@@ -593,8 +649,9 @@ class Block:
         return all(self.jobs.get(k) is not None and self.jobs[k].compiled is not None for k in keys)
 
     def base(self, **kw) -> dict:
-        return dict(head=self.prec, variant=self.variant, layers=self.setup.tcfg.num_hidden_layers,
-                    prompt_len=self.T, new_tokens=self.N, **kw)  # fmt: skip
+        return dict(head=self.prec, variant=self.variant, target=self.setup.kind,
+                    layers=self.setup.tcfg.num_hidden_layers, prompt_len=self.T,
+                    new_tokens=self.N, **kw)  # fmt: skip
 
     # -- timing ------------------------------------------------------------------------------
 
@@ -606,8 +663,9 @@ class Block:
             return dict(rec, error="not compiled")
         p, n = self.prompts[b]
         runs = {lim: self.jobs[("baseline", b, lim)].compiled for lim in (self.N, 1)}
+        target = self.target(1)
         dt, out = time_limits(
-            lambda lim: runs[lim](self.target, self.head, p, n), hi=self.N, reps=child.options.reps
+            lambda lim: runs[lim](target, self.head, p, n), hi=self.N, reps=child.options.reps
         )
         tokens = b * (self.N - 1)
         rec.update(t_plain_loop_us=dt / (self.N - 1) * 1e6, tokens_per_s=tokens / dt)
@@ -628,12 +686,13 @@ class Block:
         """A call of the plain step that threads its donated cache (its contents do not change
         the time: the reference target attends over every row, masked)."""
         step_c = self.jobs[("plain_step", b)].compiled
-        cache = [self.target.init_cache(b, gen.cache_length(self.T, self.N, 1))]
+        target = self.target(1)
+        cache = [target.init_cache(b, gen.cache_length(self.T, self.N, 1))]
         tok = jnp.zeros((b, 1), jnp.int32)
         pos = jnp.full((b,), self.T + self.N // 2, jnp.int32)
 
         def call():
-            token, cache[0] = step_c(self.target, self.head, cache[0], tok, pos)
+            token, cache[0] = step_c(target, self.head, cache[0], tok, pos)
             return token, cache[0]
 
         return call
@@ -642,16 +701,18 @@ class Block:
         """``limit -> LoopResult`` of the compiled forced loop at (k, b)."""
         p, n = self.prompts[b]
         loop_c = self.jobs[("loop", b, k)].compiled
+        target = self.target(k + 1)
 
         def run(limit: int):
             drafter = self.setup.drafter
-            return loop_c(self.target, drafter, self.head, p, n, rates, jnp.int32(limit), self.key)
+            return loop_c(target, drafter, self.head, p, n, rates, jnp.int32(limit), self.key)
 
         return run
 
     def steps(self, k: int, b: int, carry) -> Steps:
         propose_c, verify_c = (self.jobs[(s, b, k)].compiled for s in ("propose", "verify"))
-        return Steps(carry, propose_c, verify_c, self.target, self.setup.drafter, self.head)
+        target = self.target(k + 1)
+        return Steps(carry, propose_c, verify_c, target, self.setup.drafter, self.head)
 
     def spec(self, k: int, b: int, plain: dict) -> list[dict]:
         """The forced loop at every rate set, then the steps on its last carry."""
@@ -690,7 +751,7 @@ class Block:
         gen_c = self.jobs[("generate", b, k)].compiled
         forced = self.loop_run(k, b, jnp.zeros((k,), jnp.float32))
         runs = {
-            "generate": lambda: gen_c(self.target, self.setup.drafter, self.head, p, n),
+            "generate": lambda: gen_c(self.target(k + 1), self.setup.drafter, self.head, p, n),
             "forced": lambda: forced(self.N),
         }
         times = {name: [] for name in runs}
@@ -1006,16 +1067,16 @@ def section_exact(child) -> None:
             tcfg, target, head, dcfg, drafter, forward = shipped_pair(max(o.ks) + 1)
             prompts, lengths, source = text_prompts(tcfg, o.exact_batch, o.exact_prompt_len, o.seed)
         else:
-            setup = build_setup(layers=o.layers, heads=["bf16"], smoke=child.smoke, seed=o.seed)
-            tcfg, layers, head, dcfg, drafter = (
-                setup.tcfg, setup.layers, setup.heads["bf16"], setup.dcfg, setup.drafter
-            )  # fmt: skip
+            setup = build_setup(
+                layers=o.layers, heads=["bf16"], smoke=child.smoke, seed=o.seed, kind=o.target
+            )
+            tcfg, head, dcfg, drafter = setup.tcfg, setup.heads["bf16"], setup.dcfg, setup.drafter
             prompts, lengths = random_prompts(
                 o.exact_batch, o.exact_prompt_len, tcfg.vocab_size, o.seed
             )
             source = "random"
-            target = gen.reference_target(tcfg, layers, head)
-            forward = functools.partial(reference.target_forward, layers, head, cfg=tcfg)
+            target = setup.target("bf16", rows=max(o.ks) + 1)
+            forward = setup.forward("bf16")
         for rec in check_exact(
             target,
             forward,
@@ -1028,7 +1089,12 @@ def section_exact(child) -> None:
             ks=o.ks,
             max_new_tokens=o.exact_tokens,
         ):
-            child.emit(dict(rec, model=model, prompts=source, layers=tcfg.num_hidden_layers))
+            child.emit(
+                dict(
+                    rec, model=model, target="hybrid" if model == "pair" else o.target,
+                    prompts=source, layers=tcfg.num_hidden_layers,
+                )
+            )  # fmt: skip
 
 
 SECTION_FNS = dict(
@@ -1045,8 +1111,15 @@ def _f(x, spec=".2f", w=8) -> str:
     return f"{'-':>{w}}" if x is None else f"{x:>{w}{spec}}"
 
 
+def _exact_target(rec: dict) -> str:
+    """The target of an exact record written before records named it."""
+    return "hybrid" if rec["model"] == "pair" else "reference"
+
+
 def table(records: list[dict]) -> str:
-    lines = [
+    targets = sorted({r["target"] for r in records if r.get("kind") == "spec" and "target" in r})
+    lines = [f"target: {', '.join(targets)}"] if targets else []
+    lines += [
         f"{'head':6} {'B':>3} {'K':>2} {'rates':7} {'MAL':>6} {'exp':>6} {'plain':>8} "
         f"{'propose':>8} {'verify':>8} {'round':>8} {'ideal':>6} {'meas':>6} {'m/i':>5}"
     ]
@@ -1099,7 +1172,7 @@ def table(records: list[dict]) -> str:
             )
         elif kind == "exact":
             lines.append(
-                f"exact {r['model']} K={r['k']}: width 1 {'PASS' if r['match_width1'] else 'FAIL'}, "
+                f"exact {r['model']} ({r.get('target') or _exact_target(r)}) K={r['k']}: width 1 {'PASS' if r['match_width1'] else 'FAIL'}, "
                 f"width K+1 {'PASS' if r['match_same_width'] else 'FAIL'}, MAL {r['mal']:.2f}"
             )
         elif kind in ("skipped", "compile_error", "_section_error"):
@@ -1182,6 +1255,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--check-exact", action="store_true", help="the exact section alone (--sections exact)")
     add("--heads", type=bp._names(HEADS), default=None,
         help="LM head precisions, in run order (nvfp4,bf16; smoke bf16)")  # fmt: skip
+    add("--target", choices=TARGETS, default="reference",
+        help="the random target: full attention, or hybrid GDN groups [G, G, G, F]")  # fmt: skip
     add("--layers", type=int, default=None, help="target layers (64; smoke 2)")
     add("--batches", type=bp._ints, default=None, help="batches B (1,8,32)")
     add("--ks", type=bp._ints, default=None, help="drafts K (1,2,3,4)")
@@ -1225,6 +1300,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def child_argv(args: argparse.Namespace) -> list[str]:
     """The options a child needs, as command-line arguments."""
     out = ["--heads", ",".join(args.heads), "--layers", str(args.layers), "--grid", args.grid]
+    out += ["--target", args.target]
     out += ["--batches", ",".join(map(str, args.batches)), "--ks", ",".join(map(str, args.ks))]
     for name, _ in args.rates:
         out += ["--rates", name]

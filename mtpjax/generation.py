@@ -487,12 +487,13 @@ def _spec_round(
     verify_step: Callable[..., tuple[Any, drafter_lib.DrafterState]] = verify,
     draft_sampling: bool = False,
     draft_top_k: int = drafter_lib.DEFAULT_DRAFT_TOP_K,
-    draft_length: draft_length_lib.DraftLengthPolicy | None = None,
+    draft_cost: jax.Array | None = None,
 ) -> _Loop:
     """One speculative round: propose, the target's step over the ``K + 1``-row window, then
     ``verify_step`` (``verify``'s signature and outputs) and the commit. With
     ``draft_sampling`` and a key the drafts are sampled (``propose(temperature=, key=)``);
-    with ``draft_length`` each sequence sends only the drafts its goodput estimate picks."""
+    with ``draft_cost`` (``draft_length.round_costs``, f32[K+1]) each sequence sends only the
+    drafts its goodput estimate picks."""
     B, W = c.pairs.tokens.shape
     active = ~c.out.done
     loop_key, sampled = c.key, {}
@@ -511,9 +512,9 @@ def _spec_round(
         **sampled,
     )
     proposed = {}
-    if draft_length is not None:
+    if draft_cost is not None:
         proposed = dict(num_proposed=drafts.num_valid)
-        drafts = draft_length_lib.send(drafts, draft_length_lib.choose(drafts, policy=draft_length))
+        drafts = draft_length_lib.send(drafts, draft_length_lib.choose_by_cost(drafts, draft_cost))
     window = jnp.concatenate([c.last[:, None], jnp.maximum(drafts.tokens, 0)], axis=1)
     verify_hidden, cache = target.step(target.params, c.cache, window, c.position)
     chex.assert_shape(verify_hidden, (B, W, c.pairs.hidden.shape[-1]))
@@ -600,7 +601,6 @@ def _tree_round(
         "implementation",
         "draft_sampling",
         "draft_top_k",
-        "draft_length",
         "tree",
     ),
 )
@@ -624,11 +624,12 @@ def _generate(
     implementation: str,
     draft_sampling: bool = False,
     draft_top_k: int = drafter_lib.DEFAULT_DRAFT_TOP_K,
-    draft_length: draft_length_lib.DraftLengthPolicy | None = None,
+    draft_cost: jax.Array | None = None,
     tree: TreeShape | None = None,
 ) -> GenerateOutput:
     """Both loops: speculation with ``K = step_width - 1`` drafts per round (a ``tree``: its
-    S = ``step_width`` rows), or plain decoding when ``drafter`` is None."""
+    S = ``step_width`` rows), or plain decoding when ``drafter`` is None. ``draft_cost``
+    (f32[K+1], traced) turns on the adaptive draft length."""
     loop = _start(
         target,
         drafter,
@@ -671,7 +672,7 @@ def _generate(
             refeed=refeed,
             draft_sampling=draft_sampling,
             draft_top_k=draft_top_k,
-            draft_length=draft_length,
+            draft_cost=draft_cost,
             **shared,
         )
         return _run(round_, loop)
@@ -773,9 +774,10 @@ def generate(
         drafter's tempered distribution is close to the target's (BENCHMARKS.md, acceptance),
         as vLLM, SGLang and TensorRT-LLM draft. Greedy runs and trees are untouched by it.
       draft_top_k: static int >= 1, the support of each sampled draft's proposal.
-      draft_length: static ``verify.draft_length.DraftLengthPolicy`` for K drafts: each round
-        each sequence sends the drafts its goodput estimate picks (``metrics`` counts the
-        proposed and the sent); None sends every valid draft.
+      draft_length: a ``verify.draft_length.DraftLengthPolicy`` for K drafts: each round each
+        sequence sends the drafts its goodput estimate picks (``metrics`` counts the proposed
+        and the sent); None sends every valid draft. Its costs are traced: one program serves
+        every policy for the same K.
       tree: static; None drafts chains. A ``TreeShape`` (or its branching, e.g. ``(2, 2, 1)``)
         drafts that tree each round (``drafter.propose_tree``; one MTP module) and verifies it
         in one target ``tree_step`` of S rows (``verify.tree``: the longest accepted path,
@@ -854,7 +856,9 @@ def generate(
         # Greedy (no key) runs one program whatever the sampling options say.
         draft_sampling=sampling,
         draft_top_k=draft_top_k if sampling else drafter_lib.DEFAULT_DRAFT_TOP_K,
-        draft_length=draft_length,
+        draft_cost=None
+        if draft_length is None
+        else jnp.asarray(draft_length_lib.round_costs(draft_length)),
         tree=tree,
     )
 

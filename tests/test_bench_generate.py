@@ -65,6 +65,31 @@ def test_smoke_run_records(smoke):
     assert "generate vs forced loop at rates 0" in bg.table(records)
 
 
+def test_smoke_run_on_the_hybrid_target(tmp_path):
+    """--target hybrid: the speed section's records and the exact section on the random hybrid
+    target, whose state keeps one GDN snapshot for plain decoding and K + 1 for speculation."""
+    out = tmp_path / "h.json"
+    argv = ["--smoke", "--target", "hybrid", "--ks", "1", "--rates", "1", "--json", str(out)]
+    assert bg.main([*argv, "--sections", "speed,exact", "--exact-models", "random"]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert not [r for r in records if r.get("kind") in ("compile_error", "skipped")]
+    (setup,) = [r for r in records if r.get("kind") == "setup"]
+    assert setup["target"] == "hybrid" and setup["target_bytes"] > 0
+    (plain,) = [r for r in records if r.get("kind") == "plain"]
+    assert plain["target"] == "hybrid" and plain["steps"] == N - 1 and plain["tokens_per_s"] > 0
+    (spec,) = [r for r in records if r.get("kind") == "spec"]
+    # Rate 1 at K = 1: every round accepts its draft, so 39 tokens after the first take 20.
+    assert spec["target"] == "hybrid" and spec["mal"] == 2.0 and spec["rounds"] == 20
+    assert spec["t_verify_us"] > 0 and spec["t_propose_us"] > 0
+    (exact,) = [r for r in records if r.get("kind") == "exact"]
+    assert exact["target"] == "hybrid" and exact["match_same_width"] and exact["k"] == 1
+    setup_ = bg.build_setup(layers=2, heads=["bf16"], smoke=True, kind="hybrid")
+    assert setup_.target("bf16", rows=1).init_cache.max_step == 1
+    assert setup_.target("bf16", rows=3).init_cache.max_step == 3
+    with pytest.raises(ValueError, match="a multiple of 2, got 3"):
+        bg.target_config(layers=3, smoke=True, kind="hybrid")
+
+
 def test_forced_acceptance_gives_the_rates_mal(smoke):
     """Coding rates: the MAL measured over every (round, sequence) is within sampling error of
     1 + sum_j prod_{i<=j} r_i, and the conditional rate of the first draft near r_1."""
@@ -127,7 +152,7 @@ def test_forced_round_is_generates_round():
     """Tracing only: the forced loop's round runs generate's propose, target step, LM head and
     trim at the same shapes; only verify's acceptance is replaced by a draw."""
     setup = bg.build_setup(layers=2, heads=["bf16"], smoke=True)
-    target, head = setup.target("bf16"), setup.heads["bf16"]
+    target, head = setup.target("bf16", rows=3), setup.heads["bf16"]
     prompts, lengths = bg.random_prompts(B, T, setup.head_cfg.vocab_size, 0)
     k = 2
     gen_fn = bg.generate_fn(setup.dcfg, setup.head_cfg, N, k, "auto")
@@ -155,7 +180,7 @@ def test_exact_check_at_tiny_shapes():
     """The smoke run's generate and width-1 baseline (same shapes: compiled once per suite) and
     the width K+1 baseline: speculation equals the baseline of its own width token for token."""
     setup = bg.build_setup(layers=2, heads=["bf16"], smoke=True, seed=1)
-    target, head = setup.target("bf16"), setup.heads["bf16"]
+    target, head = setup.target("bf16", rows=3), setup.heads["bf16"]
     prompts, lengths = bg.random_prompts(B, T, setup.head_cfg.vocab_size, 3)
     k = bp.center(list(KS))
     forward = functools.partial(reference.target_forward, setup.layers, head, cfg=setup.tcfg)

@@ -153,6 +153,24 @@ def test_greedy_adaptive_length_equals_plain_greedy(tiny):
     np.testing.assert_array_equal(full.metrics.num_rounds_per_sent[:K], 0)
 
 
+def test_policies_for_one_k_share_one_program_and_keep_their_choices(tiny):
+    """The costs are traced: a second policy runs the first one's program, and still sends what
+    its own costs pick (all drafts when verifying more rows costs nothing, none when each row
+    costs ten times the round)."""
+    target, drafter, head, prompts, lengths, kw, base = tiny
+    run = lambda policy: jax.device_get(  # noqa: E731
+        gen.generate(target, drafter, head, prompts, lengths, draft_length=policy, **kw)
+    )
+    flat = run(draft_length.DraftLengthPolicy(verify_cost=(1, 1, 1, 1), propose_cost=0))
+    programs = gen._generate._cache_size()
+    steep = run(draft_length.DraftLengthPolicy(verify_cost=(1, 10, 100, 1000), propose_cost=0))
+    assert gen._generate._cache_size() == programs  # the first policy's program
+    for out in (flat, steep):
+        np.testing.assert_array_equal(out.tokens, base.tokens)
+    np.testing.assert_array_equal(np.asarray(flat.metrics.num_rounds_per_sent)[:K], 0)
+    np.testing.assert_array_equal(np.asarray(steep.metrics.num_rounds_per_sent)[1:], 0)
+
+
 def test_draft_sampling_leaves_greedy_alone_and_samples_otherwise(tiny):
     target, drafter, head, prompts, lengths, kw, base = tiny
     for sampling in (True, False):

@@ -7,7 +7,8 @@ drafts all survive, and sending ``n`` drafts yields an expected ``E(n) = 1 + c_1
 tokens (the target's own token included). ``probs`` is the top-1 probability of argmax drafts
 and ``q(d)`` of sampled ones, an estimate of acceptance in both cases, never a bound on it. A round costs ``propose_cost`` (the K drafts are made
 whatever is sent) plus ``verify_cost[n]``, the target step and verify over ``n + 1`` rows per
-sequence, both measured numbers passed in as static config. Each sequence sends the ``n`` in
+sequence, both measured numbers; inside ``generate`` they are traced (``round_costs``), so one
+program serves every policy for the same K. Each sequence sends the ``n`` in
 ``[0, num_valid]`` with the largest estimated goodput ``E(n) / (propose_cost +
 verify_cost[n])`` (the smallest such n on a tie), so sequences of one batch differ.
 
@@ -30,12 +31,12 @@ import numpy as np
 
 from mtpjax.drafter import ProposeOutput
 
-__all__ = ["DraftLengthPolicy", "choose", "modelled_cost", "send"]
+__all__ = ["DraftLengthPolicy", "choose", "choose_by_cost", "modelled_cost", "round_costs", "send"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DraftLengthPolicy:
-    """Measured step costs (any one unit, e.g. ms) of one round, for K drafts; static, hashable.
+    """Measured step costs (any one unit, e.g. ms) of one round, for K drafts; hashable.
 
     Attributes:
       verify_cost: K + 1 costs; entry n is the target step plus verify over n + 1 rows per
@@ -67,19 +68,29 @@ class DraftLengthPolicy:
         return self.propose_cost + self.verify_cost[sent]
 
 
+def round_costs(policy: DraftLengthPolicy) -> np.ndarray:
+    """f32[K+1]: entry n the modelled cost of a round that sends n drafts."""
+    return np.float32(policy.propose_cost) + np.asarray(policy.verify_cost, np.float32)
+
+
 def choose(drafts: ProposeOutput, *, policy: DraftLengthPolicy) -> jax.Array:
     """int32[B] drafts to send per sequence: the n in ``[0, num_valid]`` of largest estimated
     goodput (module docstring). ``drafts.tokens`` must be [B, K] with K = policy.num_drafts."""
+    return choose_by_cost(drafts, round_costs(policy))
+
+
+def choose_by_cost(drafts: ProposeOutput, cost: jax.Array) -> jax.Array:
+    """``choose`` with the round costs ``round_costs(policy)`` f32[K+1] given as an array
+    (traced or not; positive, as a policy's are)."""
     B, K = drafts.tokens.shape
-    if policy.num_drafts != K:
+    if cost.shape != (K + 1,):
         raise ValueError(
-            f"the policy's verify_cost has {policy.num_drafts + 1} entries (K + 1); the drafts "
-            f"have K={K}"
+            f"the round costs have {cost.shape[0] if cost.ndim == 1 else list(cost.shape)} "
+            f"entries (K + 1); the drafts have K={K}"
         )
     chain = jnp.cumprod(drafts.probs.astype(jnp.float32), axis=1)  # [B, K]
     expected = 1.0 + jnp.concatenate([jnp.zeros((B, 1)), jnp.cumsum(chain, axis=1)], axis=1)
-    cost = policy.propose_cost + np.asarray(policy.verify_cost, np.float32)  # [K+1]
-    goodput = expected / cost[None, :]  # [B, K+1]
+    goodput = expected / jnp.asarray(cost, jnp.float32)[None, :]  # [B, K+1]
     allowed = jnp.arange(K + 1)[None, :] <= drafts.num_valid[:, None]
     return jnp.argmax(jnp.where(allowed, goodput, -jnp.inf), axis=1).astype(jnp.int32)
 
