@@ -30,7 +30,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks import harness
-from pallas_kernels._cache_attention.triton import PRODUCTS, CacheAttentionConfig
+from pallas_kernels._cache_attention.triton import PRODUCTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ def measure(case: Case, heads: dict, reps: int, products: tuple[str, ...]) -> li
             pk.cache_attention,
             scale=scale,
             implementation="pallas",
-            config=CacheAttentionConfig(products=name),
+            config=pk.CacheAttentionConfig(products=name),
         )
         rec = dict(dataclasses.asdict(case), **heads, products=name, read_us=read_us)
         rec["xla_us"] = xla_us

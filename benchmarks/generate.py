@@ -16,8 +16,8 @@ BF16 x BF16 matmuls, its LM head BF16 or NVFP4 (``--heads``); with ``--target hy
 hybrid target (``mtpjax.hybrid.target_model``) at Qwen3.5-27B's shapes instead: groups of three
 Gated DeltaNet layers (16 key / 48 value heads of 128) and one such full-attention layer, its
 state keeping K + 1 GDN snapshots for the speculative steps and one for plain decoding. The
-drafter is ``benchmarks.propose``'s dense head in BF16 reading the same LM head. Each batch B runs B random
-prompts of ``--prompt-len`` tokens for ``--new-tokens`` new tokens.
+drafter is ``benchmarks.propose``'s dense head in BF16 reading the same LM head. Each batch B
+runs B random prompts of ``--prompt-len`` tokens for ``--new-tokens`` new tokens.
 
 **Synthetic acceptance.** With random weights no draft is ever accepted, so the speculative loop
 here is ``generate``'s own start and round (``mtpjax.generation``) with its verify step replaced
@@ -750,8 +750,9 @@ class Block:
         p, n = self.prompts[b]
         gen_c = self.jobs[("generate", b, k)].compiled
         forced = self.loop_run(k, b, jnp.zeros((k,), jnp.float32))
+        target = self.target(k + 1)
         runs = {
-            "generate": lambda: gen_c(self.target(k + 1), self.setup.drafter, self.head, p, n),
+            "generate": lambda: gen_c(target, self.setup.drafter, self.head, p, n),
             "forced": lambda: forced(self.N),
         }
         times = {name: [] for name in runs}
@@ -1091,7 +1092,7 @@ def section_exact(child) -> None:
         ):
             child.emit(
                 dict(
-                    rec, model=model, target="hybrid" if model == "pair" else o.target,
+                    rec, model=model, target=exact_target(model, o.target),
                     prompts=source, layers=tcfg.num_hidden_layers,
                 )
             )  # fmt: skip
@@ -1111,9 +1112,10 @@ def _f(x, spec=".2f", w=8) -> str:
     return f"{'-':>{w}}" if x is None else f"{x:>{w}{spec}}"
 
 
-def _exact_target(rec: dict) -> str:
-    """The target of an exact record written before records named it."""
-    return "hybrid" if rec["model"] == "pair" else "reference"
+def exact_target(model: str, random_target: str = "reference") -> str:
+    """The target the exact section checks as ``model``: the shipped pair's is hybrid, the
+    random model's is ``--target`` (records written before they named it: the reference)."""
+    return "hybrid" if model == "pair" else random_target
 
 
 def table(records: list[dict]) -> str:
@@ -1172,7 +1174,7 @@ def table(records: list[dict]) -> str:
             )
         elif kind == "exact":
             lines.append(
-                f"exact {r['model']} ({r.get('target') or _exact_target(r)}) K={r['k']}: width 1 {'PASS' if r['match_width1'] else 'FAIL'}, "
+                f"exact {r['model']} ({r.get('target') or exact_target(r['model'])}) K={r['k']}: width 1 {'PASS' if r['match_width1'] else 'FAIL'}, "
                 f"width K+1 {'PASS' if r['match_same_width'] else 'FAIL'}, MAL {r['mal']:.2f}"
             )
         elif kind in ("skipped", "compile_error", "_section_error"):

@@ -5,7 +5,6 @@ exactness check at tiny shapes, and the command-buffer options (GPU only)."""
 from __future__ import annotations
 
 import collections
-import functools
 import json
 
 import jax
@@ -186,7 +185,7 @@ def test_exact_check_at_tiny_shapes():
     target, head = setup.target("bf16", rows=3), setup.heads["bf16"]
     prompts, lengths = bg.random_prompts(B, T, setup.head_cfg.vocab_size, 3)
     k = bp.center(list(KS))
-    forward = functools.partial(reference.target_forward, setup.layers, head, cfg=setup.tcfg)
+    forward = setup.forward("bf16")
     (rec,) = bg.check_exact(
         target, forward, setup.drafter, head, setup.tcfg, setup.dcfg, prompts, lengths, ks=[k],
         max_new_tokens=N,
@@ -222,7 +221,6 @@ def test_shipped_pair_gaps_come_from_its_hybrid_forward():
 
 
 def test_init_target_has_reference_init_s_layout_and_scales():
-    from mtpjax import reference
 
     cfg = bg.target_config(layers=2, smoke=True)  # the smoke run's program
     ours = bg.init_target(cfg, jax.random.key(0))
