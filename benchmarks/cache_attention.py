@@ -2,6 +2,7 @@
 
     python -m benchmarks.cache_attention --json $OUT/cache_attention_h200.json
     python -m benchmarks.cache_attention --products bf16x6,ieee --json $OUT/ca.json
+    python -m benchmarks.cache_attention --rows-per-dot 16,32,64 --block-keys 16,32 --json $OUT/ca.json
     python -m benchmarks.cache_attention --smoke --json /tmp/ca.json   # CPU, tiny shapes
 
 At the 27B-like target's shapes (24 query heads over 4 KV heads of 256), each case (B
@@ -11,9 +12,10 @@ does, and reports microseconds per layer for the kernel (``kernel_us``), for XLA
 einsum attention (``xla_us``, the op's reference) and for a plain read of the attended cache
 rows (``read_us``: the memory floor), with their ratios; ``max_err`` is the kernel's largest
 difference from the reference, and ``row0_alone`` whether row 0 of the S-row call equals the
-one-row call bit for bit (what greedy speculation's exactness rests on). ``--products`` times
-the kernel once per way of forming its dots' products (``CacheAttentionConfig.products``), one
-record each.
+one-row call bit for bit (what greedy speculation's exactness rests on). ``--products``,
+``--rows-per-dot``, ``--block-keys`` and ``--split-keys`` take comma-separated values of the
+``CacheAttentionConfig`` fields of those names; the kernel is timed once per combination, one
+record each (its fields in the record).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import sys
 import time
 
@@ -30,7 +33,7 @@ import numpy as np
 
 import pallas_kernels as pk
 from benchmarks import harness
-from pallas_kernels._cache_attention.triton import PRODUCTS
+from pallas_kernels._cache_attention.triton import PRODUCTS, ROWS_PER_DOT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +98,10 @@ def inputs(case: Case, heads: dict, key: jax.Array):
     return q, k, v, jnp.maximum(lengths, 1)
 
 
-def measure(case: Case, heads: dict, reps: int, products: tuple[str, ...]) -> list[dict]:
-    """One record per ``products`` setting of the kernel; the read and XLA's time shared."""
+def measure(
+    case: Case, heads: dict, reps: int, configs: tuple[pk.CacheAttentionConfig, ...]
+) -> list[dict]:
+    """One record per kernel config; the read and XLA's time shared."""
     q, k, v, lengths = inputs(case, heads, jax.random.key(0))
     scale = heads["d"] ** -0.5
     xla = functools.partial(pk.cache_attention, scale=scale, implementation="xla")
@@ -113,14 +118,11 @@ def measure(case: Case, heads: dict, reps: int, products: tuple[str, ...]) -> li
     layer = jnp.int32(heads["layers"] - 1)
     ref = np.asarray(jax.jit(xla)(q, k, v, lengths, layer=layer))
     records = []
-    for name in products:
+    for cfg in configs:
         kernel = functools.partial(
-            pk.cache_attention,
-            scale=scale,
-            implementation="pallas",
-            config=pk.CacheAttentionConfig(products=name),
+            pk.cache_attention, scale=scale, implementation="pallas", config=cfg
         )
-        rec = dict(dataclasses.asdict(case), **heads, products=name, read_us=read_us)
+        rec = dict(dataclasses.asdict(case), **heads, **dataclasses.asdict(cfg), read_us=read_us)
         rec["xla_us"] = xla_us
         rec["kernel_us"] = per_layer * median_seconds(
             over_layers(kernel, heads["layers"]), q, k, v, lengths, reps=reps
@@ -146,23 +148,49 @@ def main(argv: list[str] | None = None) -> int:
         default="bf16x6",
         help=f"the kernel's dot products to time, comma-separated from {','.join(PRODUCTS)}",
     )
+    default = pk.CacheAttentionConfig()
+    ints = dict(
+        rows_per_dot=f"query rows per dot, comma-separated from {ROWS_PER_DOT}",
+        block_keys="cache rows per loop step (powers of two >= 16)",
+        split_keys="cache rows per program (multiples of every --block-keys)",
+    )
+    for field, what in ints.items():
+        flag = "--" + field.replace("_", "-")
+        ap.add_argument(flag, default=str(getattr(default, field)), help=what)
     args = ap.parse_args(argv)
     products = tuple(args.products.split(","))
     if unknown := sorted(set(products) - set(PRODUCTS)):
         ap.error(f"--products: unknown {unknown[0]!r}, expected one of {sorted(PRODUCTS)}")
+    values = {"products": products}
+    for field in ints:
+        text = getattr(args, field)
+        try:
+            values[field] = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            ap.error(
+                f"--{field.replace('_', '-')}: expected comma-separated integers, got {text!r}"
+            )
+    try:
+        configs = tuple(
+            pk.CacheAttentionConfig(**dict(zip(values, combo, strict=True)))
+            for combo in itertools.product(*values.values())
+        )
+    except ValueError as e:
+        ap.error(str(e))
     if args.smoke:
         jax.config.update("jax_platforms", "cpu")
     heads, cases = (SMOKE_HEADS, SMOKE_CASES) if args.smoke else (HEADS, CASES)
     run = harness.run_info("benchmarks.cache_attention", sys.argv[1:] if argv is None else argv)
     records: list[dict] = []
     for i, case in enumerate(cases, 1):
-        new = measure(case, heads, 1 if args.smoke else args.reps, products)
+        new = measure(case, heads, 1 if args.smoke else args.reps, configs)
         records += new
         harness.write_records(args.json, records, run)
         for rec in new:
             print(
                 f"[{i}/{len(cases)}] B={case.batch} S={case.rows} L={case.cache_len} "
-                f"{case.dtype} {rec['products']}: kernel {rec['kernel_us']:.1f} µs/layer = "
+                f"{case.dtype} {rec['products']} rows {rec['rows_per_dot']} keys "
+                f"{rec['block_keys']}/{rec['split_keys']}: kernel {rec['kernel_us']:.1f} µs/layer = "
                 f"{rec['kernel_over_xla']:.2f}x XLA, {rec['kernel_over_read']:.1f}x the read, "
                 f"max err {rec['max_err']:.1e}; row 0 alone "
                 f"{'equal' if rec['row0_alone'] else 'DIFFERS'}",

@@ -7,7 +7,8 @@
 * :func:`cache_attention` — query rows over each sequence's contiguous KV cache (Triton), and
   :func:`rms_norm` / :func:`l2_normalize` (Triton): kernels whose rows' results do not depend on
   how many rows share the call, for the target models' steps; :func:`recurrent_delta_rule`
-  (Triton) likewise for the Gated DeltaNet layers' steps.
+  (Triton) likewise for the Gated DeltaNet layers' steps, and :func:`recurrent_delta_rule_stacked`
+  over a model's stack of GDN snapshots, updated in place.
 
 Every backend declares where it compiles (``supported_on(device)``) and what it takes
 (``supports``); AUTO picks the first that holds, else the reference. This package never imports
@@ -17,8 +18,11 @@ Every backend declares where it compiles (``supported_on(device)``) and what it 
 from pallas_kernels._cache_attention.api import cache_attention
 from pallas_kernels._cache_attention.reference import cache_attention_reference
 from pallas_kernels._cache_attention.triton import CacheAttentionConfig
-from pallas_kernels._delta_rule.api import recurrent_delta_rule
-from pallas_kernels._delta_rule.reference import recurrent_delta_rule_reference
+from pallas_kernels._delta_rule.api import recurrent_delta_rule, recurrent_delta_rule_stacked
+from pallas_kernels._delta_rule.reference import (
+    recurrent_delta_rule_reference,
+    recurrent_delta_rule_stacked_reference,
+)
 from pallas_kernels._linear.api import BACKENDS, linear, linear_backend
 from pallas_kernels._linear.base import (
     E2M1_MAX,
@@ -82,6 +86,8 @@ __all__ = [
     "paged_attention_reference",
     "recurrent_delta_rule",
     "recurrent_delta_rule_reference",
+    "recurrent_delta_rule_stacked",
+    "recurrent_delta_rule_stacked_reference",
     "rms_norm",
     "row_norm_reference",
     "unpack_e2m1",

@@ -243,7 +243,7 @@ def test_rollback_after_random_partial_accepts_equals_a_fresh_prefill(model, mon
     gives, and the accepted rows' hidden states are the full forward's. One trace of the step
     serves every round (new start values, ``implementation`` in any spelling)."""
     params, head = model
-    traces = count_calls(monkeypatch, model_lib, "recurrent_delta_rule")
+    traces = count_calls(monkeypatch, model_lib, "recurrent_delta_rule_stacked")
     model_lib._step.clear_cache()
     rng = np.random.default_rng(5)
     lengths = np.array([2, 5, 3])

@@ -134,11 +134,16 @@ def _check_rows_alone_and_over_a_longer_cache(q, k, v, lengths, **kw):
     np.testing.assert_array_equal(np.asarray(longer), together)
 
 
-@pytest.mark.parametrize("products", sorted(CA.PRODUCTS))
-def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache(products):
-    # 4 rows x 6 query heads per KV head: 24 rows, two 16-row chunks; a row alone is in the first.
+@pytest.mark.parametrize(
+    ("products", "rows_per_dot"), [(p, 16) for p in sorted(CA.PRODUCTS)] + [("bf16x6", 32)]
+)
+def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache(
+    products, rows_per_dot
+):
+    # 4 rows x 6 query heads per KV head: 24 rows, two 16-row chunks or one of 32; a row alone
+    # is in the first chunk, padded.
     q, k, v, lengths = _attention_inputs(2, S=4, n_q=12, L=90)
-    cfg = dataclasses.replace(CFG, products=products)
+    cfg = dataclasses.replace(CFG, products=products, rows_per_dot=rows_per_dot)
     _check_rows_alone_and_over_a_longer_cache(
         q, k, v, lengths, scale=0.2, implementation=KERNEL, config=cfg
     )
@@ -146,10 +151,12 @@ def test_an_attention_row_is_the_same_alone_among_others_and_over_a_longer_cache
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("rows_per_dot", CA.ROWS_PER_DOT)
 @pytest.mark.parametrize("products", sorted(CA.PRODUCTS))
-def test_gpu_an_attention_row_is_the_same_alone_at_27b_shapes(products):
+def test_gpu_an_attention_row_is_the_same_alone_at_27b_shapes(products, rows_per_dot):
+    # 5 rows x 6 query heads: 30 rows, in two or one chunks; tensor-core dots of 16 to 64 rows.
     q, k, v, lengths = _attention_inputs(4, B=8, S=5, n_q=24, n_kv=4, d=256, L=400)
-    cfg = CA.CacheAttentionConfig(products=products)
+    cfg = CA.CacheAttentionConfig(products=products, rows_per_dot=rows_per_dot)
     _check_rows_alone_and_over_a_longer_cache(q, k, v, lengths, scale=256**-0.5, config=cfg)
 
 
@@ -187,6 +194,8 @@ def test_cache_attention_errors_name_the_problem():
         ValueError, match=r"products must be one of \['bf16x6', 'ieee'\], got 'tf32'"
     ):
         CA.CacheAttentionConfig(products="tf32")
+    with pytest.raises(ValueError, match=r"rows_per_dot must be one of \(16, 32, 64\), got 8"):
+        CA.CacheAttentionConfig(rows_per_dot=8)
 
 
 # ---- the recurrent delta rule ---------------------------------------------------------------
@@ -251,6 +260,76 @@ def test_delta_rule_errors_name_the_problem():
     q2, k2, v2, g2, b2, s2 = _delta_inputs(2, dk=24)
     with pytest.raises(NotImplementedError, match="power-of-two head dims >= 16, got dk=24"):
         pk.recurrent_delta_rule(q2, k2, v2, g2, b2, s2, implementation=KERNEL)
+
+
+def _stack_inputs(seed, layers=3, W=4, **kw):
+    """The delta rule's operands with a stack of snapshots f32[layers, B, W, Hv, dk, dv] and a
+    start snapshot per sequence, in place of the state."""
+    q, k, v, g, beta, _ = _delta_inputs(seed, **kw)
+    B, _, Hv, dk = q.shape
+    rng = np.random.default_rng(seed + 100)
+    snaps = rng.standard_normal((layers, B, W, Hv, dk, v.shape[-1])) * 0.1
+    select = jnp.asarray(rng.integers(0, W, B), jnp.int32)
+    return (q, k, v, g, beta), jnp.asarray(snaps, jnp.float32), select
+
+
+def _check_stacked_is_the_rule_from_the_selected_snapshot(rows, snaps, select, layer, impl):
+    """The stacked op against the plain op from the gathered snapshots, bit for bit: its
+    output, the layer's first T snapshots replaced by the states, every other entry kept."""
+    T = rows[0].shape[1]
+    B = snaps.shape[1]
+    o, new = pk.recurrent_delta_rule_stacked(
+        *rows, snaps, layer=jnp.int32(layer), select=select, implementation=impl
+    )
+    s0 = snaps[layer, jnp.arange(B), select]
+    o_plain, states = pk.recurrent_delta_rule(*rows, s0, implementation=impl)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o_plain))
+    want = np.array(snaps)
+    want[layer, :, :T] = np.asarray(states)
+    np.testing.assert_array_equal(np.asarray(new), want)
+
+
+@pytest.mark.parametrize("impl", [KERNEL, "xla"])
+@pytest.mark.parametrize("T, layer", [(4, 0), (2, 2)])
+def test_the_stacked_delta_rule_starts_from_the_selected_snapshot_and_writes_the_layer(
+    T, layer, impl
+):
+    rows, snaps, select = _stack_inputs(4, T=T)
+    _check_stacked_is_the_rule_from_the_selected_snapshot(rows, snaps, select, layer, impl)
+
+
+def test_stacked_delta_rule_errors_name_the_problem():
+    rows, snaps, select = _stack_inputs(5)
+    kw = dict(layer=jnp.int32(0), select=select)
+    with pytest.raises(ValueError, match=r"snapshots must be \[layers, 2, W, 3, 32, 16\]"):
+        pk.recurrent_delta_rule_stacked(*rows, snaps[0], **kw)
+    with pytest.raises(ValueError, match="keep W=2 states a sequence, fewer than the step's T=4"):
+        pk.recurrent_delta_rule_stacked(*rows, snaps[:, :, :2], **kw)
+    with pytest.raises(ValueError, match=r"select must be int32\[2\], got int32\[3\]"):
+        pk.recurrent_delta_rule_stacked(
+            *rows, snaps, layer=jnp.int32(0), select=select[jnp.array([0, 1, 1])]
+        )
+    with pytest.raises(ValueError, match="snapshots must be float32, got bfloat16"):
+        pk.recurrent_delta_rule_stacked(*rows, snaps.astype(jnp.bfloat16), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_the_stacked_delta_rule_updates_the_stack_in_place():
+    """At the 27B GDN layer's heads (48 of 128 x 128): the compiled op, its stack donated, needs
+    no temporary of a layer's snapshots (the kernel writes into the stack), and computes what
+    the plain kernel computes from the gathered snapshots."""
+    rows, snaps, select = _stack_inputs(6, B=8, T=4, Hv=48, dk=128, dv=128)
+    _check_stacked_is_the_rule_from_the_selected_snapshot(rows, snaps, select, 1, "auto")
+    run = jax.jit(
+        lambda snaps, *rows: pk.recurrent_delta_rule_stacked(
+            *rows, snaps, layer=jnp.int32(1), select=select
+        ),
+        donate_argnums=0,
+    )
+    temp = run.lower(snaps, *rows).compile().memory_analysis().temp_size_in_bytes
+    layer_bytes = snaps[0].nbytes
+    assert temp < layer_bytes / 4, (temp, layer_bytes)
 
 
 @pytest.mark.gpu

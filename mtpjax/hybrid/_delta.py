@@ -87,9 +87,10 @@ def recurrent_delta_rule(
 ) -> tuple[jax.Array, jax.Array]:
     """One position at a time. XLA (this function's default): a ``lax.scan`` over T, which XLA
     unrolls away at T = 1 and so may round a one-row step's row differently from the same row in
-    a longer step. AUTO (what the hybrid target's chain steps pass) / PALLAS: on a GPU
-    ``pallas_kernels.recurrent_delta_rule``'s kernel, in which every position runs the same loop
-    body (a row's result independent of the step's row count).
+    a longer step. AUTO / PALLAS: on a GPU ``pallas_kernels.recurrent_delta_rule``'s kernel, in
+    which every position runs the same loop body (a row's result independent of the step's row
+    count). The hybrid target's chain steps run the same kernel over their stack of snapshots
+    (``pallas_kernels.recurrent_delta_rule_stacked``, updated in place).
 
     q, k: [B, T, Hv, dk]; v: [B, T, Hv, dv]; g, beta: [B, T, Hv]; state: f32[B, Hv, dk, dv].
     Returns (o f32[B, T, Hv, dv], states f32[B, T, Hv, dk, dv]: the state after each position).

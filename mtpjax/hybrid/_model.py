@@ -62,7 +62,6 @@ from mtpjax.hybrid._delta import (
     causal_conv,
     chunked_delta_rule,
     l2_normalize,
-    recurrent_delta_rule,
     tree_delta_rule,
 )
 from mtpjax.hybrid._params import GdnParams, HybridParams, check_params, layer_view
@@ -79,6 +78,7 @@ from mtpjax.reference import TargetCache
 from mtpjax.reference.target import move_rows, tree_cache_mask
 from mtpjax.target_model import TargetModel
 from mtpjax.weights import layer_of, linear
+from pallas_kernels import recurrent_delta_rule_stacked
 from pallas_kernels.implementation import Implementation
 
 __all__ = [
@@ -546,14 +546,17 @@ def _run_step(params, head, state, tokens, start, parents, cfg, implementation):
         conv = causal_conv(xp, gdn.conv1d, conv_rows)
         q, k, v, g, beta = _gdn_core_inputs(gdn, conv, b, alpha, cfg, implementation)
         if parents is None:
-            o, states = recurrent_delta_rule(q, k, v, g, beta, s0, implementation=implementation)
+            # The kernel reads snapshot j and writes the S new ones inside the stack itself
+            # (s0 above is then unused and compiled away).
+            o, recurrent = recurrent_delta_rule_stacked(
+                q, k, v, g, beta, st.recurrent, layer=group, select=j,
+                implementation=implementation,
+            )  # fmt: skip
         else:
             o, states = tree_delta_rule(q, k, v, g, beta, s0, parents)
+            recurrent = st.recurrent.at[group, :, :S].set(states)
         x = x + _gdn_output(gdn, o, z, cfg, implementation)
-        new = GdnState(
-            conv=st.conv.at[group, :, : K - 1 + S].set(xp),
-            recurrent=st.recurrent.at[group, :, :S].set(states),
-        )
+        new = GdnState(conv=st.conv.at[group, :, : K - 1 + S].set(xp), recurrent=recurrent)
         return _ffn_residual(lp, x, p, cfg, implementation), new, None
 
     x = embed(head, tokens, cfg=cfg.lm_head_config()).astype(jnp.float32)

@@ -1,7 +1,7 @@
 """Triton backend of ``cache_attention``: each query row over its sequence's contiguous KV cache.
 
-The grid is (B, Nkv, chunks, splits): a program takes one 16-row chunk of a sequence's window
-rows under one KV head (the S x G query heads side by side, padded to whole chunks) and the cache
+The grid is (B, Nkv, chunks, splits): a program takes one chunk of ``rows_per_dot`` of a
+sequence's window rows under one KV head (the S x G query heads side by side, padded to whole chunks) and the cache
 rows of one split, in blocks of ``block_keys`` keys, keeping an online softmax in F32 per row; it
 writes each row's unnormalised partial output with its running max and sum, and a second kernel
 merges a row's splits in order. By default each F32 dot runs on the tensor cores as six BF16
@@ -12,7 +12,8 @@ about twice that of IEEE F32 dots on the CUDA cores), and on an H200 at those sh
 slower than those dots: up to 1.4x faster on F32 caches, 2.8x on BF16 ones.
 
 A row's result does not depend on how many rows share the call, nor on the cache's length:
-every dot is 16 rows by one key block whatever the window, a split always covers
+every dot is ``rows_per_dot`` rows (a constant of the config) by one key block whatever the
+window, a split always covers
 ``split_keys`` cache rows from a multiple of it (never a share of the call's shape), blocks past
 a row's length (a program runs to its longest row) leave the row's sums unchanged bit for bit,
 splits past it contribute exact zeros, and the merge adds the splits in their order. A verify
@@ -45,13 +46,14 @@ from pallas_kernels._cache_attention.reference import check_operands
 name = "triton"
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 #: How a dot's F32 products are formed (``CacheAttentionConfig.products``). Either way a row's
-#: products and their F32 accumulation are fixed by the 16-row dot alone: rows stay invariant.
+#: products and their F32 accumulation are fixed by the dot's shape alone (``rows_per_dot`` by
+#: ``block_keys``, constants of the config): rows stay invariant.
 PRODUCTS = {
     "bf16x6": jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6,  # six BF16 tensor-core products
     "ieee": jax.lax.Precision.HIGHEST,  # F32 fused multiply-adds on the CUDA cores
 }
-#: Query rows per dot: fixed, so a row's products never depend on how many rows share a program.
-_ROWS = 16
+#: The chunk sizes a config may take: the tensor-core dots' M.
+ROWS_PER_DOT = (16, 32, 64)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,12 +65,17 @@ class CacheAttentionConfig:
       split_keys: cache rows per program (a multiple of block_keys). Fixed, never derived from
         the call's shapes: that is what keeps a row's sums the same at every row count and
         cache length.
+      rows_per_dot: query rows per program and per dot (one of ``ROWS_PER_DOT``): a sequence's
+        S x G window rows under a KV head are cut into chunks of this many, padded. Fixed,
+        never derived from the call's shapes, for the same reason as ``split_keys``; a larger
+        chunk reads a key block once for more rows and pads a short window more.
       num_warps, num_stages: Triton launch parameters.
       products: how the dots form their F32 products, a key of ``PRODUCTS``.
     """
 
     block_keys: int = 16
     split_keys: int = 32
+    rows_per_dot: int = 16
     num_warps: int = 4
     num_stages: int = 2
     products: str = "bf16x6"
@@ -81,6 +88,8 @@ class CacheAttentionConfig:
                 f"split_keys must be a multiple of block_keys={self.block_keys}, got "
                 f"{self.split_keys}"
             )
+        if self.rows_per_dot not in ROWS_PER_DOT:
+            raise ValueError(f"rows_per_dot must be one of {ROWS_PER_DOT}, got {self.rows_per_dot}")
         if not C.is_pow2(self.num_warps):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
         if self.products not in PRODUCTS:
@@ -109,7 +118,7 @@ def _dot(a, b, contract, products):
     )  # fmt: skip
 
 
-def _split_kernel(*refs, scale, bk, steps, stacked, products):
+def _split_kernel(*refs, scale, bk, steps, rows_per_dot, stacked, products):
     if stacked:
         layer_ref, q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref = refs
         at = (layer_ref[0],)
@@ -117,10 +126,10 @@ def _split_kernel(*refs, scale, bk, steps, stacked, products):
         q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref = refs
         at = ()
     b, h, c, s = (pl.program_id(i) for i in range(4))
-    rows = pl.ds(c * _ROWS, _ROWS)
+    rows = pl.ds(c * rows_per_dot, rows_per_dot)
     d = q_ref.shape[-1]
     cache_len = k_ref.shape[-3]
-    q = q_ref[b, h, rows]  # f32[16, d]
+    q = q_ref[b, h, rows]  # f32[rows_per_dot, d]
     qk_scale = scale * math.log2(math.e)
     lengths = jnp.minimum(len_ref[b, rows], cache_len)
     first = s * steps * bk
@@ -137,7 +146,7 @@ def _split_kernel(*refs, scale, bk, steps, stacked, products):
         in_cache = jnp.broadcast_to((keys < cache_len)[:, None], (bk, d))
         k = plgpu.load(k_ref.at[idx], mask=in_cache, other=0).astype(jnp.float32)
         v = plgpu.load(v_ref.at[idx], mask=in_cache, other=0).astype(jnp.float32)
-        ok = keys[None, :] < lengths[:, None]  # [16, bk]
+        ok = keys[None, :] < lengths[:, None]  # [rows_per_dot, bk]
         qk = jnp.where(ok, _dot(q, k, (1, 1), products) * qk_scale, _NEG)
         m_new = jnp.maximum(m_i, jnp.max(qk, axis=1))
         corr = jnp.exp2(m_i - m_new)
@@ -146,9 +155,9 @@ def _split_kernel(*refs, scale, bk, steps, stacked, products):
         return acc * corr[:, None] + _dot(p, v, (1, 0), products), m_new, l_new
 
     init = (
-        jnp.zeros((_ROWS, d), jnp.float32),
-        jnp.full((_ROWS,), _NEG, jnp.float32),
-        jnp.zeros((_ROWS,), jnp.float32),
+        jnp.zeros((rows_per_dot, d), jnp.float32),
+        jnp.full((rows_per_dot,), _NEG, jnp.float32),
+        jnp.zeros((rows_per_dot,), jnp.float32),
     )
     acc, m_i, l_i = jax.lax.fori_loop(0, n_steps, body, init)
     o_ref[b, h, s, rows] = acc
@@ -156,10 +165,10 @@ def _split_kernel(*refs, scale, bk, steps, stacked, products):
     l_ref[b, h, s, rows] = l_i
 
 
-def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
+def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, splits, rows_per_dot):
     """One (sequence, KV head, chunk): the chunk's split partials merged in split order."""
     b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows = pl.ds(c * _ROWS, _ROWS)
+    rows = pl.ds(c * rows_per_dot, rows_per_dot)
     d = o_ref.shape[-1]
     m_all = jax.lax.fori_loop(
         0, splits, lambda s, m: jnp.maximum(m, m_ref[b, h, s, rows]), m_ref[b, h, 0, rows]
@@ -170,7 +179,7 @@ def _merge_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
         w = jnp.exp2(m_ref[b, h, s, rows] - m_all)
         return num + o_ref[b, h, s, rows] * w[:, None], den + l_ref[b, h, s, rows] * w
 
-    init = (jnp.zeros((_ROWS, d), jnp.float32), jnp.zeros((_ROWS,), jnp.float32))
+    init = (jnp.zeros((rows_per_dot, d), jnp.float32), jnp.zeros((rows_per_dot,), jnp.float32))
     num, den = jax.lax.fori_loop(0, splits, add, init)
     out_ref[b, h, rows] = num / jnp.where(den > 0, den, 1.0)[:, None]
 
@@ -195,8 +204,8 @@ def cache_attention(
     B, S, n_q, d = q.shape
     L, n_kv = k_cache.shape[-3], k_cache.shape[-2]
     g = n_q // n_kv
-    chunks = C.cdiv(S * g, _ROWS)
-    r_pad = chunks * _ROWS
+    chunks = C.cdiv(S * g, cfg.rows_per_dot)
+    r_pad = chunks * cfg.rows_per_dot
     steps = cfg.split_keys // cfg.block_keys
     splits = C.cdiv(L, cfg.split_keys)
     # A sequence's window rows side by side under each KV head: row (s, j) of head h at s*g + j.
@@ -212,6 +221,7 @@ def cache_attention(
         scale=float(scale),
         bk=cfg.block_keys,
         steps=steps,
+        rows_per_dot=cfg.rows_per_dot,
         stacked=stacked,
         products=cfg.products,
     )
@@ -229,7 +239,7 @@ def cache_attention(
         name="cache_attention",
     )(*entry, qw, k_cache, v_cache, row_len)
     out = pl.pallas_call(
-        functools.partial(_merge_kernel, splits=splits),
+        functools.partial(_merge_kernel, splits=splits, rows_per_dot=cfg.rows_per_dot),
         out_shape=jax.ShapeDtypeStruct((B, n_kv, r_pad, d), f32),
         grid=(B, n_kv, chunks),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
