@@ -16,8 +16,10 @@ f32[layers, B, W, Hv, dk, dv]; a program reads its initial state at ``[layer, b,
 and writes the state after position t at ``[layer, b, t, h]``, into the stack itself (an aliased
 output). A scan over the layers then neither gathers a layer's initial states out nor copies its
 new ones in: at B = 32 and four snapshots of 48 heads of 128 x 128 those copies are 400 MB a
-layer. A program loads its whole initial state before its first write, and no two programs touch
-the same (b, h), so reading and writing one buffer is safe.
+layer. Reading and writing one buffer is safe: no two programs touch the same (b, h), and every
+element a program writes is computed from the element of its initial state at the same place
+(and the rest of that column, through ``k^T S``), so no write can overtake the read of the
+snapshot it may overwrite (``select[b] < T``).
 """
 
 from __future__ import annotations
