@@ -4,6 +4,7 @@ rule; the profile's attribution of HLO ops to source; the ratios on hand-made re
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_kernels
 from benchmarks import hybrid as bh
 from mtpjax import hybrid
 
@@ -134,6 +136,14 @@ def test_profile_attribution_follows_the_python_stack():
     ]
     assert body and any(fn == "recurrent_delta_rule" for _, fn, _ in body[0])  # its caller
     assert bh.categorize([("x.py", "nothing_known", 1)]) == ("other", None)
+    # The stacked Triton kernel (interpret mode here) is its own category, not the layer scan
+    # that calls it.
+    *rows, s16 = bh.delta_inputs(2, rows=3, batch=1, hv=2, dk=16, dv=16)
+    snapshots = jnp.zeros((2, 1, 4, *s16.shape[1:]), jnp.float32)
+    step = functools.partial(pallas_kernels.recurrent_delta_rule_stacked, implementation="triton")
+    lowered = jax.jit(step).lower(*rows, snapshots, layer=1, select=jnp.zeros(1, jnp.int32))
+    kernel_sources = bh.hlo_sources(lowered.compile().as_text())
+    assert "delta rule (kernel)" in {bh.categorize(st)[0] for st in kernel_sources.values()}
     # Kernels without an HLO op, by name (the H200 trace's copies and Pallas GEMVs).
     names = ["memcpy128", "MemcpyD2D", "memcpy32_post", "bf16_gemv__4", "triton_softmax_11"]
     assert [bh.unmapped_category(n) for n in names] == [
