@@ -36,7 +36,7 @@ def test_smoke_run_records(smoke):
     assert data["run"]["command"].startswith("python -m benchmarks.generate --smoke")
     records = data["records"]
     assert not [r for r in records if r.get("kind") in ("compile_error", "skipped")]
-    assert not [r for r in records if r.get("kernel") == "_section_error"]
+    assert not [r["error"] for r in records if r.get("kernel") == "_section_error"]
     (plain,) = [r for r in records if r.get("kind") == "plain"]
     assert plain["batch"] == B and plain["steps"] == N - 1
     assert plain["t_plain_step_us"] > 0 and plain["t_plain_step_synced_us"] > 0
@@ -73,6 +73,7 @@ def test_smoke_run_on_the_hybrid_target(tmp_path):
     assert bg.main(argv) == 0
     records = json.loads(out.read_text())["records"]
     assert not [r for r in records if r.get("kind") in ("compile_error", "skipped")]
+    assert not [r["error"] for r in records if r.get("kernel") == "_section_error"]
     (setup,) = [r for r in records if r.get("kind") == "setup"]
     assert setup["target"] == "hybrid" and setup["target_bytes"] > 0
     (plain,) = [r for r in records if r.get("kind") == "plain"]
@@ -246,6 +247,29 @@ def test_exact_jobs_have_one_program_each():
         ("generate", k) for k in range(1, 5)
     }
     assert all(job.key == name for name, job in jobs.items())
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_time_limits_subtracts_the_one_token_call(monkeypatch, noisy):
+    """t(run(hi)) - t(run(1)) from the least of each; a difference that is not positive (run(1)
+    disturbed every time) raises, except in a smoke run, which takes t(run(hi))."""
+    costs = {1: [0.009, 0.008, 0.010] if noisy else [0.002, 0.001, 0.003], 40: [0.007, 0.006]}
+    calls = collections.defaultdict(int)
+
+    def wall(fn):
+        n = fn()
+        t = costs[n][calls[n] % len(costs[n])]
+        calls[n] += 1
+        return t, n
+
+    monkeypatch.setattr(bg, "_wall", wall)
+    if noisy:
+        with pytest.raises(RuntimeError, match=r"no longer than run\(1\) at 8\.00 ms: timing"):
+            bg.time_limits(lambda n: n, hi=40, reps=3)
+        assert bg.time_limits(lambda n: n, hi=40, reps=3, smoke=True) == (0.006, 40)
+    else:
+        dt, out = bg.time_limits(lambda n: n, hi=40, reps=3, smoke=True)
+        assert dt == pytest.approx(0.006 - 0.001) and out == 40
 
 
 def test_first_difference():
