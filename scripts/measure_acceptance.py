@@ -208,6 +208,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--temperatures", type=_floats, default=[0.7, 1.0], help="sampled mode (0.7,1.0)"
     )
     p.add_argument("--seeds", type=_positive, default=2, help="sampled mode: runs per point (2)")
+    p.add_argument(
+        "--cost-repeats", type=_positive, default=30,
+        help="adaptive mode: timed calls per step cost, the fastest kept (30)",
+    )  # fmt: skip
     p.add_argument("--draft-top-k", type=_positive, default=64, help="sampled drafts' support (64)")
     p.add_argument("--ks", type=_ints, default=[1, 2, 3, 4], help="drafts per round (1,2,3,4)")
     p.add_argument(
@@ -314,10 +318,12 @@ def _fastest_ms(fn, state, repeats: int = 30):
     return float(np.min(times))
 
 
-def measure_costs(tcfg, target, head, drafter, prompt, *, max_k: int) -> dict[str, Any]:
-    """CPU step costs at B = 1 (ms): verify[n] = the target step plus its LM head over n + 1
-    rows (n = 0..K; a model keeping n + 1 snapshots, as a run of k = n uses), propose[k] = a
-    propose of k drafts (k = 1..K)."""
+def measure_costs(
+    tcfg, target, head, drafter, prompt, *, max_k: int, repeats: int = 30
+) -> dict[str, Any]:
+    """CPU step costs at B = 1 (ms), each the fastest of ``repeats`` calls: verify[n] = the
+    target step plus its LM head over n + 1 rows (n = 0..K; a model keeping n + 1 snapshots, as
+    a run of k = n uses), propose[k] = a propose of k drafts (k = 1..K)."""
     dcfg, params, drafter_head = drafter
     head_cfg = tcfg.lm_head_config()
     P = prompt.shape[1]
@@ -339,7 +345,7 @@ def measure_costs(tcfg, target, head, drafter, prompt, *, max_k: int) -> dict[st
             return cache, jnp.sum(logits)
 
         run = functools.partial(step, model.params, head, window=window)
-        verify.append(_fastest_ms(lambda c, run=run: run(c[0]), (cache, 0.0)))
+        verify.append(_fastest_ms(lambda c, run=run: run(c[0]), (cache, 0.0), repeats))
     pool = drafter_lib.pool_config(dcfg, precision="bf16", max_seq_len=P + 8, max_seqs=1)
     propose = []
     for k in range(1, max_k + 1):
@@ -354,7 +360,7 @@ def measure_costs(tcfg, target, head, drafter, prompt, *, max_k: int) -> dict[st
                 1
             ]
 
-        propose.append(_fastest_ms(call, state))
+        propose.append(_fastest_ms(call, state, repeats))
     return dict(verify_ms=[round(v, 4) for v in verify], propose_ms=[round(v, 4) for v in propose])
 
 
@@ -363,7 +369,9 @@ def run_adaptive(args, tcfg, target, head, drafters, prompts, lengths, common) -
     precision, contract = args.precisions[0], args.contracts[0]
     dcfg, params, drafter_head = drafters[precision]
     K = max(args.ks)
-    costs = measure_costs(tcfg, target, head, drafters[precision], prompts[:1], max_k=K)
+    costs = measure_costs(
+        tcfg, target, head, drafters[precision], prompts[:1], max_k=K, repeats=args.cost_repeats
+    )
     print(f"CPU costs at B = 1 (ms): {costs}", file=sys.stderr, flush=True)
     models = {
         "cpu": lambda k: draft_length.DraftLengthPolicy(

@@ -80,7 +80,8 @@ def test_sampled_mode_records_both_kinds_of_draft(tmp_path, capsys):
 def test_adaptive_mode_prices_every_run_and_matches_greedy(tmp_path):
     ma = _load_script()
     out = tmp_path / "adaptive.json"
-    assert ma.main(["--mode", "adaptive", "--ks", "2", *_TINY, "--json", str(out)]) == 0
+    argv = ["--mode", "adaptive", "--ks", "2", "--cost-repeats", "3", *_TINY, "--json", str(out)]
+    assert ma.main(argv) == 0
     records = json.loads(out.read_text())
     assert [(r["policy"], r["cost_model"]) for r in records] == [
         ("fixed", None), ("adaptive", "cpu"), ("adaptive", "linear")
