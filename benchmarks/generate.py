@@ -503,10 +503,6 @@ def time_steps(steps: Steps, *, smoke: bool) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _nbytes(tree) -> int:
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
-
-
 def target_step_bytes(setup: Setup, head, *, batch: int, rows: int, cache_rows: int) -> int:
     """The least one target step reads: every layer weight, the LM head weight, and the f32 K/V
     cache (the reference target attends over all ``cache_rows`` rows, masked); the hybrid's
@@ -519,7 +515,12 @@ def target_step_bytes(setup: Setup, head, *, batch: int, rows: int, cache_rows: 
         )
         return parts["total"] + head.weight.nbytes
     kv = 2 * t.num_hidden_layers * batch * cache_rows * t.num_key_value_heads * t.head_dim * 4
-    return _nbytes(setup.layers) + head.weight.nbytes + kv + batch * rows * t.hidden_size * 2
+    return (
+        harness.tree_bytes(setup.layers)
+        + head.weight.nbytes
+        + kv
+        + batch * rows * t.hidden_size * 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -545,8 +546,8 @@ def _setup(child, heads) -> Setup:
     setup = build_setup(layers=o.layers, heads=heads, smoke=child.smoke, seed=o.seed, kind=o.target)
     child.emit(
         dict(
-            kind="setup", target=o.target, layers=o.layers, target_bytes=_nbytes(setup.layers),
-            drafter_bytes=_nbytes(setup.drafter),
+            kind="setup", target=o.target, layers=o.layers, target_bytes=harness.tree_bytes(setup.layers),
+            drafter_bytes=harness.tree_bytes(setup.drafter),
             head_bytes={p: setup.heads[p].weight.nbytes for p in heads},
             prompt_len=o.prompt_len, new_tokens=o.new_tokens,
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -129,6 +130,13 @@ def _leaves(tree):
     import jax
 
     return [x for x in jax.tree.leaves(tree) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of the array leaves of ``tree`` (arrays or ShapeDtypeStructs)."""
+    import jax
+
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
 def copy_bandwidth(*, smoke: bool = False) -> dict:

@@ -50,7 +50,6 @@ import argparse
 import collections
 import functools
 import linecache
-import math
 import os
 import re
 import sys
@@ -149,14 +148,6 @@ def config_08b(*, smoke: bool):
 # ---------------------------------------------------------------------------------------------
 
 
-def tree_bytes(tree) -> int:
-    """Bytes of the array leaves of ``tree`` (arrays or ShapeDtypeStructs)."""
-    import jax
-    import numpy as np
-
-    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
 def step_bytes(cfg, params, *, batch: int, rows: int, context: int, kv_itemsize: int = 2) -> dict:
     """The least a step of ``rows`` rows per sequence at ``context`` must move, by part.
 
@@ -174,7 +165,7 @@ def step_bytes(cfg, params, *, batch: int, rows: int, context: int, kv_itemsize:
     snap = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
     kv_row = 2 * cfg.num_key_value_heads * cfg.head_dim * kv_itemsize
     parts = dict(
-        weights=tree_bytes(params) + batch * rows * cfg.hidden_size * 2,
+        weights=harness.tree_bytes(params) + batch * rows * cfg.hidden_size * 2,
         gdn_state_read=n_gdn * batch * ((K - 1) * C * 4 + snap),
         gdn_state_written=n_gdn * batch * ((K - 1 + S) * C * 4 + S * snap),
         kv_read=n_full * batch * (context + S) * kv_row,
@@ -765,7 +756,7 @@ def section_27b(child) -> None:
                 per_layer_us=per_layer, in_64_layers_us=per_layer * LAYERS_IN_64[name],
                 bytes=nbytes, bytes_per_layer=nbytes["total"] / L, roofline_us=roof,
                 frac_of_copy=roof / times["time_us"], copy_gbps=gbps,
-                state_bytes=tree_bytes(states[(name, w)]),
+                state_bytes=harness.tree_bytes(states[(name, w)]),
                 custom_calls=bp.scan_hlo(job.compiled.as_text())["custom_calls"],
             )  # fmt: skip
             child.emit(dict(rec, **compiler_memory(job.compiled, rec["state_bytes"])))
@@ -934,7 +925,7 @@ def section_08b(child) -> None:
             rec = dict(
                 kernel="step", batch=b, rows=s, snapshots=W, context=ctx, **times,
                 compile_s=job.compile_s, bytes=nbytes, roofline_us=roof,
-                frac_of_copy=roof / times["time_us"], state_bytes=tree_bytes(state), **base,
+                frac_of_copy=roof / times["time_us"], state_bytes=harness.tree_bytes(state), **base,
             )  # fmt: skip
             rec.update(compiler_memory(job.compiled, rec["state_bytes"]))
             if hjob.compiled is not None:

@@ -113,7 +113,7 @@ def section_linear(child) -> None:
             return
         w0 = jax.random.normal(child.next_key(), (n, k), jnp.bfloat16) * 0.02
         ws = [mtpjax.quantize(w0, fmt)]
-        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(ws[0]))
+        nbytes = harness.tree_bytes(ws[0])
         ws += [mtpjax.quantize(w0 * (i + 2), fmt) for i in range(_copies(nbytes, child.smoke) - 1)]
         xs = [jax.random.normal(child.next_key(), (rows, k), jnp.bfloat16) for _ in ws]
 

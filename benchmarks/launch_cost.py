@@ -195,12 +195,6 @@ def count_kernels(text: str) -> dict:
     )  # fmt: skip
 
 
-def _nbytes(tree) -> int:
-    import jax
-
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
-
-
 def compare(parts: dict, reference: dict) -> dict:
     """Per-projection outputs against ``separate``'s: bit for bit, and the largest difference."""
     assert sorted(parts) == sorted(reference)
@@ -222,7 +216,7 @@ def _prepare(child, rec: dict, fn, args: list[tuple], widths: dict):
     rec.update(count_kernels(compiled.as_text()))
     out = jax.block_until_ready(compiled(*args[0]))
     rec["finite"] = all(bool(np.isfinite(np.asarray(a)).all()) for a in jax.tree.leaves(out))
-    rec["bytes"] = _nbytes(args[0]) + _nbytes(out)
+    rec["bytes"] = harness.tree_bytes(args[0]) + harness.tree_bytes(out)
     parts = None if rec["variant"] == "glue" else split(rec["variant"], out, widths)
     sets = itertools.cycle(args)
     return (lambda: compiled(*next(sets))), parts
@@ -263,14 +257,14 @@ def section(rows: int):
         cfg = head_config(child.smoke)
         base = weight_sets(cfg, [0])
         step = projections(base[0])
-        n_sets = min(8, max(2, math.ceil(2 * harness.L2_BYTES / _nbytes(step))))
+        n_sets = min(8, max(2, math.ceil(2 * harness.L2_BYTES / harness.tree_bytes(step))))
         base += weight_sets(cfg, range(1, 2 if child.smoke else n_sets))
         widths = {p: w.out_features for p, w in step.items()}
         in_widths = {PROJECTIONS[p]: w.in_features for p, w in step.items()}
         runs, reference = [], None
         for variant in child.options.variants:
             rec = dict(kernel="launch_cost", variant=variant, rows=rows, sets=len(base))
-            rec.update(gemvs=len(GROUPS[variant]), weight_bytes=_nbytes(step))
+            rec.update(gemvs=len(GROUPS[variant]), weight_bytes=harness.tree_bytes(step))
             if child.left() < (2 if child.smoke else 30):
                 child.emit(dict(rec, kernel="skipped"))
                 continue

@@ -59,12 +59,6 @@ def _weight_copies(child, nbytes: int) -> int:
     return 1 if child.smoke else int(min(64, max(1, math.ceil(2 * harness.L2_BYTES / nbytes))))
 
 
-def _leaves_bytes(tree) -> int:
-    import jax
-
-    return int(sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree)))
-
-
 def _xs(child, m: int, k: int, copies: int):
     import jax
     import jax.numpy as jnp
@@ -121,7 +115,7 @@ def _shape_block(child, name: str, n: int, k: int, rows: tuple[int, ...]) -> Non
             fn = lambda x, w: mtpjax.linear(x, w, out_dtype=jnp.float32, implementation="pallas")  # noqa: E731
             rec = dict(kernel="linear", format=fmt, rows=m, n=n, k=k, shape=name)
             sets = [(x, ws[i % len(ws)]) for i, x in enumerate(xs)]
-            _time(child, rec, fn, sets, _leaves_bytes(ws[0]) + m * k * 2)
+            _time(child, rec, fn, sets, harness.tree_bytes(ws[0]) + m * k * 2)
         del ws
     w_bf16 = [jax.random.normal(child.next_key(), (n, k), jnp.bfloat16) * 0.02 for _ in range(nw)]
     xla_pass("after")
@@ -156,7 +150,7 @@ def section_head(child) -> None:
                 break
             sets = [(params, x) for x in _xs(child, m, k, _launches(child, 300.0 * max(1, m / 32)))]
             rec = dict(kernel="lm_head_auto", format=fmt, rows=m, n=n, k=k, shape=name)
-            _time(child, rec, head, sets, _leaves_bytes(params.weight) + m * k * 2)
+            _time(child, rec, head, sets, harness.tree_bytes(params.weight) + m * k * 2)
         del params
 
 

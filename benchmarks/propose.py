@@ -194,10 +194,6 @@ def center(values: list[int]) -> int:
     return values[len(values) // 2]
 
 
-def _leaf_bytes(tree) -> int:
-    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
 def expected_distinct_experts(num_experts: int, top_k: int, rows: int) -> float:
     """Expected distinct experts hit by ``rows`` rows of top-k routing, uniform at random."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
@@ -211,7 +207,7 @@ def _weights_and_arrays(tree) -> tuple[int, int]:
         if isinstance(value, Weight):
             weights += value.nbytes
         elif value is not None:
-            arrays += _leaf_bytes(value)
+            arrays += harness.tree_bytes(value)
     return weights, arrays
 
 
@@ -225,7 +221,7 @@ def drafter_bytes_per_draft(params, cfg: DrafterConfig, batch: int) -> dict:
     parts = {
         "fc": params.fc.nbytes,
         "attention": attention,
-        "norms": _leaf_bytes(norms) + head_norms,
+        "norms": harness.tree_bytes(norms) + head_norms,
         "embedding_rows": batch * cfg.hidden_size * 2,  # BF16 table rows gathered
     }
     if isinstance(ffn, DenseFfnParams):
@@ -243,7 +239,7 @@ def drafter_bytes_per_draft(params, cfg: DrafterConfig, batch: int) -> dict:
             shared += ffn.shared_expert_gate.nbytes
         router = ffn.router.nbytes
         if ffn.score_correction_bias is not None:
-            router += _leaf_bytes(ffn.score_correction_bias)
+            router += harness.tree_bytes(ffn.score_correction_bias)
         parts.update(router=router, shared_expert=shared)
         parts.update(experts=round(touched * per_expert), experts_touched=touched)
     else:
@@ -404,7 +400,7 @@ def memory_analysis(compiled) -> dict | None:
 
 def pool_bytes(pool_cfg, num_seqs: int) -> int:
     """Bytes of the KV pool of a ``num_seqs``-sequence state."""
-    return _leaf_bytes(
+    return harness.tree_bytes(
         jax.eval_shape(lambda: drafter.init_state(pool_cfg, num_seqs=num_seqs)).kv[0].pool
     )
 
@@ -588,8 +584,10 @@ class Bench:
         kc, bc = center(a.ks), center(a.batches)
         base = dict(head=head_name, precision=prec, drafter_precision=dprec)
         base.update(head_precision=hprec, kv_dtype=kv_dtype.value, context=a.context)
-        plan = dict(kind="memory_plan", **base, drafter_weight_bytes=_leaf_bytes(params))
-        plan.update(lm_head_bytes=head.weight.nbytes, embedding_bytes=_leaf_bytes(head.embedding))
+        plan = dict(kind="memory_plan", **base, drafter_weight_bytes=harness.tree_bytes(params))
+        plan.update(
+            lm_head_bytes=head.weight.nbytes, embedding_bytes=harness.tree_bytes(head.embedding)
+        )
         plan["kv_pool_bytes"] = {str(b): pool_bytes(pool_cfgs[(b, 1)], b) for b in a.batches}
         plan["kv_pool_10x_bytes_at_center_batch"] = pool_bytes(pool_cfgs[(bc, 10)], bc)
         self.emit(dict(plan, device_memory=device_memory(), init_s=init_s))
@@ -708,7 +706,7 @@ class Bench:
             self.emit(dict(rec, error=job.error))
             return
         rec.update(compile_s=job.compile_s, hlo=scan_hlo(job.compiled.as_text()))
-        ok, msg = fits_in_memory(job.compiled, _leaf_bytes(job.args[2]))
+        ok, msg = fits_in_memory(job.compiled, harness.tree_bytes(job.args[2]))
         rec.update(memory=memory_analysis(job.compiled), memory_check=msg)
         if not ok:
             self.skip(f"{base['head']}/{base['precision']} K={k} B={b}", msg)
@@ -784,14 +782,14 @@ class Bench:
         if job.compiled is None:
             self.emit(dict(rec, error=job.error))
             return
-        ok, msg = fits_in_memory(job.compiled, _leaf_bytes(job.args[2]))
+        ok, msg = fits_in_memory(job.compiled, harness.tree_bytes(job.args[2]))
         if not ok:
             self.skip(f"{base['head']} 10x pool", msg)
             return
         pairs = self.seeded_pairs(cfg, k, b)
         state = self.seeded_state(pool_cfgs[(b, 10)], b)
         res = self.rounds(job.compiled, None, params, head, state, pairs, None)
-        big, small = _leaf_bytes(job.args[2].kv[0].pool), pool_bytes(pool_cfgs[(b, 1)], b)
+        big, small = harness.tree_bytes(job.args[2].kv[0].pool), pool_bytes(pool_cfgs[(b, 1)], b)
         rec.update(pool_bytes=big, pool_1x_bytes=small)
         # The compiler's own account: a pool-sized copy or conversion shows up as temporaries
         # that grow with the pool.
