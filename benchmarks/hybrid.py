@@ -529,9 +529,10 @@ def categorize(stack: list[tuple[str, str, int]]) -> tuple[str, tuple[str, str, 
     for frame in stack:
         file, qualname, line = frame
         base, fn = os.path.basename(file), qualname.rpartition(".")[2]
-        if os.path.basename(os.path.dirname(file)) == "_delta_rule" and base != "reference.py":
+        in_kernel_package = os.path.basename(os.path.dirname(file)) == "_delta_rule"
+        if in_kernel_package and base != "reference.py":
             return "delta rule (kernel)", frame  # the Triton kernel, one call a layer
-        delta = base == "_delta.py" or file.endswith(os.path.join("_delta_rule", "reference.py"))
+        delta = base == "_delta.py" or (in_kernel_package and base == "reference.py")
         if delta and fn not in ("causal_conv", "l2_normalize"):
             row = fn in ("body", "delta_step")  # the per-position step the scans run
             return ("delta rule (row body)" if row else "delta rule (scan in/out)"), frame

@@ -305,7 +305,7 @@ def run_sampled(args, tcfg, target, head, drafters, prompts, lengths, common) ->
     return 0
 
 
-def _fastest_ms(fn, state, repeats: int = 30):
+def _fastest_ms(fn, state, repeats: int):
     """Shortest wall time (ms) of ``state = fn(state)`` after warm-up calls: on a CPU shared
     with other work the minimum is the stable estimate of the call's own cost."""
     for _ in range(3):
@@ -319,7 +319,7 @@ def _fastest_ms(fn, state, repeats: int = 30):
 
 
 def measure_costs(
-    tcfg, target, head, drafter, prompt, *, max_k: int, repeats: int = 30
+    tcfg, target, head, drafter, prompt, *, max_k: int, repeats: int
 ) -> dict[str, Any]:
     """CPU step costs at B = 1 (ms), each the fastest of ``repeats`` calls: verify[n] = the
     target step plus its LM head over n + 1 rows (n = 0..K; a model keeping n + 1 snapshots, as
