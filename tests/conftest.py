@@ -1,9 +1,11 @@
 """Test-session set-up: eight forced host devices for the sharding tests, unoptimised XLA:CPU
-code, F32-exact matmuls, no persistent compilation cache, compiled programs released after each
-test file, and the ``gpu`` marker (tests that only make sense on a GPU; they skip elsewhere)."""
+code, F32-exact matmuls, a persistent compilation cache in the checkout, compiled programs
+released after each test file, and the ``gpu`` marker (tests that only make sense on a GPU; they
+skip elsewhere)."""
 
 import gc
 import os
+from pathlib import Path
 
 # Must be set before JAX initialises its backends; tests only, never library code. The tests'
 # time goes mostly to compiling small programs, so XLA:CPU skips its LLVM optimisation passes
@@ -11,9 +13,17 @@ import os
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
-# No persistent compilation cache: the workers share nothing on disk, and a test's programs are
-# compiled by the test that needs them. The subprocesses the tests start inherit this.
-os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+# One persistent compilation cache for both xdist workers and the subprocesses the tests start
+# (the notebook's kernel, the scripts run from a checkout): a program compiled once is read back
+# wherever else it is built, in this run and the next. JAX keys an entry by the program, the
+# compile options and its own version, so an entry never stands in for a changed program; the
+# least recently used entries go past 512 MB.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "jax-tests")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(512 * 2**20))
 
 import jax
 import pytest
