@@ -22,20 +22,47 @@ import tempfile
 
 from benchmarks import harness
 
-#: The verify's 32 rows (B = 8, K = 3): the tiles around the 64x256 default.
-NVFP4_32_ROWS = (
-    {"block_k": 512},
-    {"block_n": 128},
-    {"block_n": 128, "block_k": 512},
-    {"stages": 3},
-)
+
+def _ws(block_n: int, block_k: int, stages: int) -> dict:
+    """A warp-specialised CTA: one producer and two consumer warpgroups, as many stages as fit
+    the SM's shared memory."""
+    return dict(block_n=block_n, block_k=block_k, stages=stages, consumers=2)
+
+
+#: The verify's 32 rows (B = 8, K = 3): two consumer warpgroups sharing each activation tile
+#: (the one-warpgroup tiles around the 64x256 default were measured before: BENCHMARKS.md).
+NVFP4_32_ROWS = (_ws(128, 256, 4), _ws(128, 256, 6), _ws(128, 512, 3), _ws(256, 256, 3))
 #: linear: (format, rows, implementation, config class, variants as field dicts), on the LM head.
 LINEAR_SWEEP = (
-    ("nvfp4", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 128}, {"block_k": 1024})),
+    (
+        "nvfp4",
+        1,
+        "mosaic_gpu",
+        "MosaicGemvConfig",
+        (
+            {"block_n": 128},
+            {"block_k": 1024},
+            _ws(128, 512, 4),
+            _ws(128, 256, 10),
+            _ws(256, 256, 5),
+        ),
+    ),
     ("nvfp4", 8, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 128}, {"stages": 3})),
-    ("nvfp4", 16, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 512}, {"block_n": 128})),
+    (
+        "nvfp4",
+        16,
+        "mosaic_gpu",
+        "MosaicGemvConfig",
+        ({"block_k": 512}, {"block_n": 128}, _ws(128, 256, 8)),
+    ),
     ("nvfp4", 32, "mosaic_gpu", "MosaicGemvConfig", NVFP4_32_ROWS),
-    ("nvfp4", 96, "mosaic_gpu", "MosaicGemvConfig", ({"block_n": 64}, {"block_k": 512})),
+    (
+        "nvfp4",
+        96,
+        "mosaic_gpu",
+        "MosaicGemvConfig",
+        ({"block_n": 64}, {"block_k": 512}, _ws(128, 256, 2)),
+    ),
     ("fp8", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 512}, {"block_n": 128})),
     ("fp8", 96, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 256}, {"block_n": 64})),
     ("fp8_block", 1, "mosaic_gpu", "MosaicGemvConfig", ({"block_k": 512},)),

@@ -5,6 +5,7 @@ and the CUDA lowering (with its shared-memory count) built on the CPU."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -368,6 +369,60 @@ def _call(fmt, x, w, *, n, cfg):
     return kernel(x, *w, n=n, config=cfg)
 
 
+#: Warp-specialised CTAs: (block_n, block_k, stages, consumers); each consumer takes 64 or 128
+#: rows.
+_WS_TILES = [(128, 256, 2, 2), (256, 256, 2, 2)]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("tiles", _WS_TILES, ids=lambda t: f"{t[0]}x{t[1]}x{t[2]}/{t[3]}")
+@pytest.mark.parametrize("m", [3, 17])
+def test_warp_specialized_ctas_match_one_warpgroup(fmt, tiles, m):
+    """Consumers sharing one activation tile: every output column (N = 264 spans a partial
+    CTA, and a consumer whose rows lie past N) matches the reference, and the sums are those
+    of one warpgroup over the same rows bit for bit (the same 64-wide K chunks in the same
+    order; the interpreter's dot is an XLA:CPU dot, whose bits follow its operand shapes)."""
+    bn, bk, stages, consumers = tiles
+    rng = np.random.default_rng(m + consumers)
+    n, k = 264, 768
+    lv, w = _weights_for(fmt, n, k, rng)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    ws = _call(fmt, x, w, n=n, cfg=_CFG(block_n=bn, block_k=bk, stages=stages, consumers=consumers))
+    _assert_matches(fmt, x, lv, ws)
+    one = _call(fmt, x, w, n=n, cfg=_CFG(block_n=bn // consumers, block_k=bk, stages=2))
+    np.testing.assert_array_equal(np.asarray(ws), np.asarray(one))
+
+
+@functools.cache
+def _lm_head_nvfp4():
+    """The kernel operands of one random NVFP4 [248320, 5120] weight, made once."""
+    return _weights_for("nvfp4", 248320, 5120, np.random.default_rng(0))[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("tiles", "m"),
+    [(_WS_TILES[0], m) for m in (1, 16, 32, 96)] + [(_WS_TILES[1], m) for m in (1, 32)],
+)
+def test_warp_specialized_ctas_match_one_warpgroup_on_the_lm_head(tiles, m):
+    """Compiled at the LM head's shape (register decode, producer and consumer warpgroups):
+    the default tiles' bits."""
+    bn, bk, stages, consumers = tiles
+    w = _lm_head_nvfp4()
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 5120)), jnp.bfloat16)
+    cfg = _CFG(block_n=bn, block_k=bk, stages=stages, consumers=consumers)
+    ws = np.asarray(_call("nvfp4", x, w, n=None, cfg=cfg))
+    np.testing.assert_array_equal(ws, np.asarray(_call("nvfp4", x, w, n=None, cfg=None)))
+
+
+def test_fp8_block_takes_one_consumer():
+    q = jnp.zeros((128, 256), jnp.float8_e4m3fn)
+    s = jnp.ones((1, 2), jnp.float32)
+    cfg = _CFG(block_n=128, block_k=128, consumers=2)
+    with pytest.raises(ValueError, match="fp8_block takes one consumer warpgroup, got consumers=2"):
+        GM.fp8_block_gemv_mosaic(jnp.zeros((1, 256), jnp.bfloat16), q, s, config=cfg)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "fp8_block"])
 def test_output_orientation_with_one_hot_rows(fmt):
     """Row r of x picks column c_r of the weight: out[r, j] is exactly W[j, c_r] (power-of-two
@@ -602,6 +657,8 @@ def test_register_decode_plan_thread_by_thread(fmt, block_n, tile_bytes):
         (dict(block_k=200), "200"),
         (dict(block_k=4096), "4096"),
         (dict(stages=1), "1"),
+        (dict(block_n=256, consumers=4), "4"),
+        (dict(block_n=64, consumers=2), "2"),
     ],
 )
 def test_config_validation_names_the_value(kw, bad):
@@ -697,6 +754,9 @@ def _lowered_smem_bytes(m, n, k, cfg, fmt="nvfp4"):
         (128, 248320, 5120, None),
         (64, 248320, 5120, None),
         (96, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=256, stages=2)),
+        # Warp-specialised: a producer and 2 or 4 consumer warpgroups.
+        (32, 248320, 5120, GM.MosaicGemvConfig(block_n=128, block_k=256, stages=4, consumers=2)),
+        (64, 248320, 5120, GM.MosaicGemvConfig(block_n=256, block_k=256, stages=2, consumers=2)),
     ],
 )
 def test_lowers_for_cuda_on_cpu(m, n, k, cfg):

@@ -98,6 +98,9 @@ _ELEMS_PER_BYTE = {"nvfp4": 2, "fp8": 1, "fp8_block": 1}
 FP8_BLOCK = 128
 #: The weight formats the kernel decodes.
 _FORMATS = (WeightFormat.NVFP4, WeightFormat.FP8, WeightFormat.FP8_BLOCK)
+#: Registers per thread the producer warpgroup of a warp-specialised CTA keeps (it only issues
+#: copies); the consumers share the rest of the SM's register file.
+PRODUCER_REGISTERS = 40
 
 
 #: The four float16 pairs of a code word in 11 integer ops (:func:`_pair_words`): pair i holds
@@ -128,15 +131,29 @@ class MosaicGemvConfig:
       stages: pipeline depth: steps whose TMA copies are in flight per CTA (at least 2; one
         stage would not overlap the copies with the decode). Measured on the H200, more CTAs
         per SM beat deeper pipelines (see BENCHMARKS.md).
+      consumers: compute warpgroups per CTA. 1: the warpgroup issues its own copies, and
+        several CTAs share an SM. 2: a warp-specialised CTA, one producer warpgroup issuing
+        the copies and two consumer warpgroups of ``block_n / 2`` weight rows each, which
+        share every activation tile in shared memory (the activations cross L2 once per
+        ``block_n`` rows instead of once per 64). The producer hands its registers to the
+        consumers, so such a CTA takes a whole SM: ``stages`` sets the bytes in flight. (Four
+        consumers would deadlock: Pallas sizes their register increase for a whole SM, more
+        than 640 threads' launch share leaves.)
     """
 
     block_n: int = 64
     block_k: int = 512
     stages: int = 2
+    consumers: int = 1
 
     def __post_init__(self):
         if self.block_n % 64 or not 64 <= self.block_n <= 256:
             raise ValueError(f"block_n must be a multiple of 64 in [64, 256], got {self.block_n}")
+        if self.consumers not in (1, 2) or self.block_n % (64 * self.consumers):
+            raise ValueError(
+                f"consumers must be 1 or 2 with block_n a multiple of 64 * consumers, got "
+                f"consumers={self.consumers}, block_n={self.block_n}"
+            )
         if self.block_k % FP8_K_ALIGN or not FP8_K_ALIGN <= self.block_k <= 2048:
             raise ValueError(
                 f"block_k must be a multiple of {FP8_K_ALIGN} in [{FP8_K_ALIGN}, 2048] (of "
@@ -462,6 +479,18 @@ def _build_kernel(
             f"fp8_block needs block_n in (64, 128) and K % {FP8_BLOCK} == 0, got "
             f"block_n={bn}, K={k}"
         )
+    consumers = cfg.consumers
+    if block_scaled and consumers > 1:
+        raise ValueError(f"fp8_block takes one consumer warpgroup, got consumers={consumers}")
+    rows = bn // consumers  # weight rows per compute warpgroup
+    # Warp-specialised: per consumer, its output staging tile (and in interpret mode its
+    # decoded operand), allocated for the kernel since scopes inside one thread's branch
+    # cannot allocate shared memory.
+    scratch = []
+    if consumers > 1:
+        scratch.append(plgpu.SMEM((consumers, m_pad, rows), jnp.float32))
+        if interpret:
+            scratch.append(plgpu.SMEM((consumers, rows, bk), jnp.float16, transforms=_swizzled(16)))
     k_cols = k // FP8_BLOCK  # scale columns (fp8_block)
 
     def body(x_gmem, *refs):
@@ -469,6 +498,7 @@ def _build_kernel(
         entry, refs = (refs[0][0], refs[1:]) if stacked else (None, refs)
         w_gmem, refs = refs[:n_weights], refs[n_weights:]
         bscale_gmem, refs = (refs[0], refs[1:]) if block_scaled else (None, refs)
+        refs, scratch_refs = refs[: len(refs) - len(scratch)], refs[len(refs) - len(scratch) :]
         *colf_gmem, out_gmem = refs
         ni = jax.lax.axis_index("n")
 
@@ -489,7 +519,9 @@ def _build_kernel(
                 if slab_bytes != tile_bytes:
                     view = codes_smem.at[:, pl.ds(s * slab_bytes, slab_bytes)]
                 codes = plgpu.load(view, layout=plgpu.Layout.WGMMA_8BIT)
-                return lambda c: _decode_chunk_gpu(codes, scale_smem, fmt=fmt, chunk=c, block_n=bn)
+                return lambda c: _decode_chunk_gpu(
+                    codes, scale_smem, fmt=fmt, chunk=c, block_n=rows
+                )
             if s == 0:
                 tile = codes_smem[...]
                 fp8 = scale_smem is None
@@ -554,20 +586,54 @@ def _build_kernel(
                 init_carry=zero,
             )(*w_gmem, x_gmem)
 
-        def store_fused(acc, o_smem):
+        def store_fused(acc, o_smem, col0):
+            """Scales the f32[rows, m_pad] accumulator of weight rows ``col0 + [0, rows)`` and
+            copies it, transposed through ``o_smem``, into the output's columns."""
             if colf_gmem:  # FP8: the weight row's scale first, then the row factor
                 colf = plgpu.load(
-                    colf_gmem[0].at[pl.ds(ni * bn, bn)],
+                    colf_gmem[0].at[pl.ds(col0, rows)],
                     layout=plgpu.Layout.WGMMA.reduce(1),
                     optimized=False,
                 )
-                acc = acc * _broadcast_wgmma(colf, (bn, m_pad), 0)
+                acc = acc * _broadcast_wgmma(colf, (rows, m_pad), 0)
             rowf = plgpu.load(rowf_gmem, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-            acc = acc * _broadcast_wgmma(rowf, (bn, m_pad), 1)
+            acc = acc * _broadcast_wgmma(rowf, (rows, m_pad), 1)
             o_smem.T[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, m_pad), pl.ds(ni * bn, bn)])
+            plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(0, m_pad), pl.ds(col0, rows)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        def run_warp_specialized(o_all, a_all=None):
+            """One producer warpgroup issues the copies of every stage; consumer ``wg`` decodes
+            and multiplies weight rows ``wg * rows + [0, rows)`` of each stage against the
+            stage's shared activation tile, then stores its own output columns."""
+            wg = jax.lax.axis_index("wg")
+            mine = pl.ds(wg * rows, rows)
+            a_smem = None if a_all is None else a_all.at[wg]
+
+            def pipeline_body(_, *smem_and_acc):
+                *w_smem, x_smem, acc_ref = smem_and_acc
+                step(acc_ref, x_smem, a_smem, *(r.at[mine] for r in w_smem))
+                plgpu.wgmma_wait(0)  # the stage is released to the producer after the body
+                return acc_ref
+
+            def consumer(pipeline):
+                def with_acc(acc_ref):
+                    pipeline(acc_ref)
+                    store_fused(acc_ref[...], o_all.at[wg], ni * bn + wg * rows)
+
+                pl.run_scoped(with_acc, plgpu.ACC((rows, m_pad)))
+
+            plgpu.emit_pipeline_warp_specialized(
+                pipeline_body,
+                grid=(k_steps,),
+                memory_registers=PRODUCER_REGISTERS,
+                in_specs=in_specs,
+                max_concurrent_steps=cfg.stages,
+                wg_axis="wg",
+                num_compute_wgs=consumers,
+                compute_context=consumer,
+            )(*w_gmem, x_gmem)
 
         def with_scratch(a_smem=None):
             if block_scaled:
@@ -576,21 +642,27 @@ def _build_kernel(
                 acc = pl.run_scoped(lambda acc_ref: run(acc_ref, a_smem), plgpu.ACC((bn, m_pad)))
             # A scope after the pipeline's: its shared memory is reused.
             pl.run_scoped(
-                lambda o_smem: store_fused(acc, o_smem), plgpu.SMEM((m_pad, bn), jnp.float32)
+                lambda o_smem: store_fused(acc, o_smem, ni * bn),
+                plgpu.SMEM((m_pad, bn), jnp.float32),
             )
 
-        if interpret:  # the interpreter's wgmma takes its left operand from shared memory only
+        if consumers > 1:
+            run_warp_specialized(*scratch_refs)
+        elif interpret:  # the interpreter's wgmma takes its left operand from shared memory only
             pl.run_scoped(with_scratch, plgpu.SMEM((bn, bk), jnp.float16, transforms=_swizzled(16)))
         else:
             with_scratch()
 
+    threads = dict(num_threads=consumers + 1, thread_name="wg") if consumers > 1 else {}
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
         grid=(n_blocks,),
         grid_names=("n",),
+        scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
+        **threads,
     )
 
 
