@@ -349,7 +349,8 @@ def measure_costs(
     pool = drafter_lib.pool_config(dcfg, precision="bf16", max_seq_len=P + 8, max_seqs=1)
     propose = []
     for k in range(1, max_k + 1):
-        state = drafter_lib.init_state(pool, num_seqs=1)
+        # Committed like the states propose returns: the first call compiles the timed program.
+        state = jax.device_put(drafter_lib.init_state(pool, num_seqs=1), jax.devices()[0])
         window = drafter_lib.Pairs(
             tokens=prompt[:, -1:], hidden=hidden[:, -1:], count=jnp.ones((1,), jnp.int32),
             start=lengths - 1,

@@ -197,6 +197,7 @@ def test_a_random_init_head_trains_and_its_output_is_the_next_runs_source(pair_d
     # run 1's "after" (the same head, prompts and measurement), its head moved on.
     run2 = tmp_path / "chain"
     argv2 = ["finetune", "--model", str(run1 / "hf"), "--out", str(run2), *tiny]
+    argv2 += ["--batch", "2"]  # the first test's batch: its compiled train step serves this run
     assert cli([*argv2, "--num-steps", "2"]) == 0
     result2 = json.loads((run2 / "finetune.json").read_text())
     assert result2["before"] == result["after"]

@@ -155,17 +155,19 @@ def test_train_step_lowers_the_loss_and_keeps_f32_masters(setup):
     cfg, params, head, tokens, hidden = setup
     trainable, master = train.Trainable.of(params)
     assert all(m.dtype == jnp.float32 for m in master)
+    master = jax.device_put(master, jax.devices()[0])  # committed, as a loaded head's are
     ocfg = train.OptimConfig(lr=3e-3, total_steps=20, warmup_steps=2)
     lcfg = train.LossConfig(num_steps=K)
     state = train.init_train_state(master, ocfg)
     kw = dict(trainable=trainable, cfg=cfg, loss_cfg=lcfg, optim_cfg=ocfg,
               head_cfg=cfg.lm_head_config())  # fmt: skip
     mask = jnp.ones(tokens.shape)
-    losses = []
+    losses, programs = [], train.train_step._cache_size()
     for _ in range(8):
         state, m = train.train_step(state, head, tokens, hidden, mask, **kw)
         losses.append(float(m["loss"]))
     assert int(state.step) == 8 and losses[-1] < 0.9 * losses[0]
+    assert train.train_step._cache_size() == programs + 1  # the first step's serves the rest
     back = trainable.params(state.master)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     assert [x.dtype for x in jax.tree.leaves(back)] == [x.dtype for x in jax.tree.leaves(params)]

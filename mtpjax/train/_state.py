@@ -137,8 +137,18 @@ class TrainState:
 
 
 def init_train_state(master: tuple[jax.Array, ...], cfg: OptimConfig) -> TrainState:
-    return TrainState(
+    state = TrainState(
         step=jnp.zeros((), jnp.int32), master=master, opt_state=make_optimizer(cfg).init(master)
+    )
+    # A step's outputs are committed (to its committed inputs' devices): a state of uncommitted
+    # leaves (the step, the optimizer's counts, a fresh head's masters) would make the first
+    # train_step compile a program of its own. Each is placed with the committed masters, or
+    # where it already lives.
+    placed = next((m.sharding for m in master if m.committed), None)
+    if isinstance(placed, jax.sharding.NamedSharding):
+        placed = jax.sharding.NamedSharding(placed.mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(
+        lambda x: x if x.committed else jax.device_put(x, placed or x.sharding), state
     )
 
 
