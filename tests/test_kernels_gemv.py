@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -85,6 +87,31 @@ def test_batched_gemv_rows(fmt, m, compute):
     # Each row on its own gives the same numbers as in the batch.
     single = _kern(fmt, x[m - 1 :], *lv, config=_small_cfg(fmt, "fma", block_k=128))
     assert rel_err(out[m - 1 :], single) < 2e-6
+
+
+def test_bf16_rows_reach_the_kernel_unpadded():
+    """BF16 activations go to the tensor-core kernel as they are, the rows past M masked in the
+    kernel: no pad op (one more kernel launch per GEMV on the GPU) runs outside it, and the
+    masked rows change no result (the batched test above checks the values)."""
+    rng = np.random.default_rng(8)
+    lv = leaves("bf16", 96, 256, rng)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    cfg = _small_cfg("bf16", "dot")
+    jaxpr = jax.make_jaxpr(lambda x: _kern("bf16", x, *lv, config=cfg))(x)
+
+    def outside_kernels(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+                continue
+            yield eqn
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from outside_kernels(sub)
+
+    eqns = list(outside_kernels(jaxpr.jaxpr))
+    assert not [e for e in eqns if e.primitive.name == "pad"]
+    (call,) = [e for e in eqns if e.primitive.name == "pallas_call"]
+    assert call.invars[0].aval.shape == (3, 256)
 
 
 def test_dot_path_handles_large_activations():

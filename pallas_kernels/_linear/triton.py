@@ -212,7 +212,8 @@ def _gemv_kernel(
       fp8_row:   x, xinv, q u8[N, K], row_scale f32[N]
       fp8_block: x, xinv, q u8[N, K], scale_inv f32[N/128, K/128]
       bf16:      x, xinv, w bf16[N, K]
-    x operands are bf16[M, .] for ``compute="fma"`` and float16/bf16[m_pad, .] for "dot"; NVFP4
+    x operands are bf16[M, .] for ``compute="fma"`` and for BF16 weights, float16[m_pad, .] for
+    the other formats' "dot" (row-scaled, padded by that fusion); NVFP4
     takes the even and odd K columns separately (shaped [M, K/16, 8] for fma). With
     ``stacked`` an int32[1] entry index comes first and the codes (NVFP4: and scales) are
     [L, N, ...] stacks, read at that entry.
@@ -259,7 +260,10 @@ def _gemv_kernel(
             return tuple(
                 _masked_load(ref.at[jnp.int32(r), pl.ds(start, width)], cm) for r in range(m)
             )
-        return _masked_load(ref.at[:, pl.ds(start, width)], None if cm is None else cm[None])
+        # BF16 rows arrive unpadded: the rows past m load as zeros, as padding would give.
+        rm = (jnp.arange(m_pad, dtype=jnp.int32) < m)[:, None] if ref.shape[0] < m_pad else None
+        mask = _and_masks(rm, None if cm is None else cm[None])
+        return _masked_load(ref.at[pl.ds(0, m_pad), pl.ds(start, width)], mask)
 
     def load(i):
         """Raw tiles of loop step i (issued one step ahead when prefetching)."""
@@ -418,8 +422,8 @@ def _gemv(
     compute = cfg.compute
     m_pad = max(16, C.next_pow2(m)) if compute == "dot" else m
     if compute == "dot":
-        if fmt == "bf16":
-            xk = jnp.pad(x.astype(jnp.bfloat16), ((0, m_pad - m), (0, 0)))
+        if fmt == "bf16":  # unpadded: the kernel masks the rows past m (no pad kernel per call)
+            xk = x.astype(jnp.bfloat16)
             xinv = jnp.ones((m_pad,), jnp.float32)
         else:
             xk, xinv = C.to_f16_rowscaled(x, m_pad)
