@@ -101,12 +101,10 @@ def test_bf16_rows_reach_the_kernel_unpadded():
 
     def outside_kernels(jx):
         for eqn in jx.eqns:
-            if eqn.primitive.name == "pallas_call":
-                yield eqn
-                continue
             yield eqn
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                yield from outside_kernels(sub)
+            if eqn.primitive.name != "pallas_call":
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    yield from outside_kernels(sub)
 
     eqns = list(outside_kernels(jaxpr.jaxpr))
     assert not [e for e in eqns if e.primitive.name == "pad"]
