@@ -1,7 +1,7 @@
 """Test-session set-up: eight forced host devices for the sharding tests, unoptimised XLA:CPU
-code, F32-exact matmuls, a persistent compilation cache in the checkout, compiled programs
-released after each test file, and the ``gpu`` marker (tests that only make sense on a GPU; they
-skip elsewhere)."""
+code, one OpenBLAS thread per worker, F32-exact matmuls, a persistent compilation cache in the
+checkout, compiled programs released after each test file, and the ``gpu`` marker (tests that
+only make sense on a GPU; they skip elsewhere)."""
 
 import gc
 import os
