@@ -39,8 +39,8 @@ Sections (``--sections``), each in a child process with a share of ``--budget-s`
   rates 0 (both then accept nothing): the forced loop costs what ``generate`` costs.
 * ``cmdbuf``: at the first head, B, middle K and first rates, every timed executable compiled per
   ``COMMAND_BUFFERS`` variant through ``lower(...).compile(compiler_options=...)``: command
-  buffers off, XLA's default set, and the default set plus WHILE and CONDITIONAL (the whole
-  while loop on the device, CUDA graph conditional nodes) with no minimum region size. GPU only.
+  buffers off, XLA's default set, and the default set plus WHILE (a whole while loop on the
+  device, a CUDA graph conditional node) with no minimum region size. GPU only.
 * ``profile``: kernels and host gaps per propose, per verify step and per round of the forced
   loop, from a ``jax.profiler`` trace (``benchmarks.profile``), command buffers off and on (the
   profiler disables them unless ``xla_enable_command_buffers_during_profiling``).
@@ -104,17 +104,19 @@ SMOKE_DEFAULTS = dict(
 
 #: XLA's command buffers (CUDA graphs), chosen per executable as compile options: DebugOptions
 #: fields, a repeated enum given as comma-separated names (an empty string clears it). XLA's
-#: default set is FUSION, CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN over regions of at least 5
-#: kernels; a kernel is a FUSION command (Pallas Triton calls are kernels), a custom call a
-#: command only when its FFI handler says it may be captured (Mosaic GPU's does). A while loop or
-#: conditional is captured whole (a conditional node on the device, no host round trip per
-#: iteration) only with WHILE / CONDITIONAL and when every op of its body and condition is.
-DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+#: default set in this jaxlib (its log prints it per module) is FUSION, CUBLAS, CUBLASLT,
+#: CUSTOM_CALL, CUDNN, CONDITIONAL and DYNAMIC_SLICE_FUSION over regions of at least 5 kernels;
+#: a kernel is a FUSION command (Pallas Triton calls are kernels), a custom call a command only
+#: when its FFI handler says it may be captured (Mosaic GPU's does). A while loop becomes one
+#: graph node (its condition evaluated on the device, no host round trip per iteration) only with
+#: WHILE and when every op of its body and condition can be captured; a loop-dependent dynamic
+#: slice that XLA runs as a thunk of its own keeps it out (``mtpjax.indexed_scan`` says which).
+DEFAULT_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,DYNAMIC_SLICE_FUSION"
 COMMAND_BUFFERS = {
     "off": {"xla_gpu_enable_command_buffer": ""},
     "default": {},
     "loops": {
-        "xla_gpu_enable_command_buffer": DEFAULT_COMMANDS + ",WHILE,CONDITIONAL",
+        "xla_gpu_enable_command_buffer": DEFAULT_COMMANDS + ",WHILE",
         "xla_gpu_graph_min_graph_size": 1,
     },
 }

@@ -77,6 +77,7 @@ from mtpjax.drafter._params import (
 from mtpjax.drafter._sampling import DEFAULT_DRAFT_TOP_K, DraftProbs, sample_top_k
 from mtpjax.drafter._trim import _check_state, module_trims, rows_written
 from mtpjax.head import LMHeadParams
+from mtpjax.indexed_scan import indexed_scan
 from mtpjax.kv import PagedKVCache, WindowError, append, donation
 from mtpjax.kv.state import DrafterState, drop_newest, newest_key, put_rows
 from mtpjax.layers import mla
@@ -533,9 +534,8 @@ def _propose(
     carry, ys = run_cycle((state, at_last(pairs.tokens), anchor_hidden), 0, first=True)
     ys = jax.tree.map(lambda y: y[None], ys)  # [1, B, ...] per step of the cycle
     if C > 1:
-        carry, rest = jax.lax.scan(
-            functools.partial(run_cycle, first=False), carry, jnp.arange(1, C, dtype=jnp.int32)
-        )
+        later = functools.partial(run_cycle, first=False)
+        carry, rest = indexed_scan(later, carry, C - 1, start=1)
         ys = jax.tree.map(lambda y, r: jnp.concatenate([y, r]), ys, rest)
     state = carry[0]
 

@@ -65,6 +65,7 @@ from mtpjax.hybrid._delta import (
     tree_delta_rule,
 )
 from mtpjax.hybrid._params import GdnParams, HybridParams, check_params, layer_view
+from mtpjax.indexed_scan import indexed_scan
 from mtpjax.layers import (
     attend,
     attend_cache,
@@ -315,8 +316,7 @@ def _scan_groups(params: HybridParams, x, state: tuple, slot: Callable, cfg: Hyb
             outs.append(out)
         return (x, tuple(state)), (tuple(outs), jnp.stack(inputs))
 
-    groups = jnp.arange(cfg.num_groups, dtype=jnp.int32)
-    (x, state), (outs, inputs) = jax.lax.scan(body, (x, state), groups)
+    (x, state), (outs, inputs) = indexed_scan(body, (x, state), cfg.num_groups)
     return x, state, outs, inputs.reshape(-1, *inputs.shape[2:])
 
 

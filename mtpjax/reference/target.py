@@ -45,6 +45,7 @@ from mtpjax.config import (
 )
 from mtpjax.draft_tree import ancestry_mask, tree_depths
 from mtpjax.head import LMHeadParams, embed
+from mtpjax.indexed_scan import indexed_scan
 from mtpjax.layers import (
     AttentionParams,
     DenseFfnParams,
@@ -438,7 +439,7 @@ def _causal_stack(params, head, tokens, positions, cfg, implementation):
             lp, x, positions, lambda q, k, v: (attend(q, k, v, mask), (k, v)), cfg, implementation
         )
 
-    x, kv = jax.lax.scan(body, x, jnp.arange(params.num_layers, dtype=jnp.int32))
+    x, kv = indexed_scan(body, x, params.num_layers)
     return _norm(x, params.final_norm, cfg, implementation), kv
 
 
@@ -584,8 +585,7 @@ def _run_step(params, head, cache, tokens, positions, slots, attention, cfg, imp
         x, (k_stack, v_stack) = _layer(lp, x, positions, write_and_attend, cfg, implementation)
         return (x, k_stack, v_stack), None
 
-    layer_ids = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
-    (x, k_new, v_new), _ = jax.lax.scan(body, (x, cache.k, cache.v), layer_ids)
+    (x, k_new, v_new), _ = indexed_scan(body, (x, cache.k, cache.v), cache.k.shape[0])
     return _norm(x, params.final_norm, cfg, implementation), TargetCache(k=k_new, v=v_new)
 
 
