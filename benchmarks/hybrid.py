@@ -47,11 +47,9 @@ prefill; ``--from-json`` re-derives, prints and plots a result file.
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import linecache
 import os
-import re
 import sys
 import tempfile
 import time
@@ -423,91 +421,6 @@ def time_donating(compiled, params, head, state, tokens, where, *, smoke: bool):
 # The profile: device kernels attributed to source through the HLO's stack frames.
 # ---------------------------------------------------------------------------------------------
 
-_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
-_FIELD = re.compile(r"(\w+)=(\d+)")
-_INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = ")
-_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
-_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-#: Kernels named by a library rather than by their HLO op (cuBLAS, CUTLASS, Pallas GEMVs).
-_MATMUL_KERNEL = re.compile(r"gemv|gemm|xmma|cutlass|mosaic|cublas", re.IGNORECASE)
-# Device-to-device copies XLA inserts (no HLO op in the trace): at these shapes, a layer's
-# weights sliced out of the stacked parameters before a custom call reads them.
-_COPY_KERNEL = re.compile(r"memcpy", re.IGNORECASE)
-
-
-def hlo_sources(text: str) -> dict[str, list[tuple[str, str, int]]]:
-    """For each instruction of a compiled HLO module (``compiled.as_text()``), the Python stack
-    that made it, innermost first: ``[(file, function, line), ...]``. A fusion without a frame
-    of its own takes its fused computation's root's. Names are as in the HLO and also with '.'
-    and '-' as '_' (the GPU kernels' names)."""
-    tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
-    table = None
-    own: dict[str, int] = {}
-    calls: dict[str, str] = {}
-    roots: dict[str, int] = {}
-    comp = None
-    for line in text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            table = line
-            continue
-        if table is not None:
-            m = _TABLE_ROW.match(line)
-            if m:
-                tables[table][int(m.group(1))] = m.group(2)
-                continue
-            table = None
-        m = _COMP.match(line)
-        if m and " = " not in line:
-            comp = m.group(1)
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name = m.group(2)
-        f = _FRAME_ID.search(line)
-        if f:
-            own[name] = int(f.group(1))
-            if m.group(1) and comp:
-                roots[comp] = int(f.group(1))
-        c = _CALLS.search(line)
-        if c:
-            calls[name] = c.group(1)
-
-    def unquote(s: str) -> str:
-        return s.strip().strip('"')
-
-    files = {i: unquote(s) for i, s in tables["FileNames"].items()}
-    funcs = {i: unquote(s) for i, s in tables["FunctionNames"].items()}
-    locs = {i: dict(_FIELD.findall(s)) for i, s in tables["FileLocations"].items()}
-    frames = {i: dict(_FIELD.findall(s)) for i, s in tables["StackFrames"].items()}
-
-    def stack(fid: int) -> list[tuple[str, str, int]]:
-        out, seen = [], set()
-        while fid in frames and fid not in seen:
-            seen.add(fid)
-            loc = locs.get(int(frames[fid].get("file_location_id", 0)), {})
-            out.append(
-                (
-                    files.get(int(loc.get("file_name_id", 0)), "?"),
-                    funcs.get(int(loc.get("function_name_id", 0)), "?"),
-                    int(loc.get("line", 0)),
-                )
-            )
-            # The printed parent id is one more than the parent's row (0: none).
-            fid = int(frames[fid].get("parent_frame_id", 0)) - 1
-        return out
-
-    result = {}
-    for name in set(own) | set(calls):
-        fid = own.get(name, roots.get(calls.get(name, ""), -1))
-        if fid in frames:
-            result[name] = stack(fid)
-    for name in list(result):
-        result.setdefault(name.replace(".", "_").replace("-", "_"), result[name])
-    return result
-
-
 #: (category, function names) checked innermost frame first; the first match names the kernel.
 _BY_FUNCTION = (
     ("conv", {"causal_conv"}),
@@ -545,68 +458,18 @@ def categorize(stack: list[tuple[str, str, int]]) -> tuple[str, tuple[str, str, 
     return "other", None
 
 
-def unmapped_category(kernel: str) -> str:
-    """The category of a kernel the trace ties to no HLO op, from its name."""
-    if _COPY_KERNEL.search(kernel):
-        return "copies (no HLO op)"
-    if _MATMUL_KERNEL.search(kernel):
-        return "matmuls (no HLO op)"
-    return "unattributed"
-
-
 def profile_step(compiled, params, head, state, tokens, where, *, calls: int, top: int):
     """Kernel time per call of ``compiled`` under ``jax.profiler``, by category and by source
     line, with the ``top`` kernels. Returns (record fields, the last state)."""
-    from benchmarks.profile import breakdown, trace_events
+    from benchmarks.profile import attributed_profile
 
-    sources = hlo_sources(compiled.as_text())
     holder = [state]
 
     def call():
         out, holder[0] = compiled(params, head, holder[0], tokens, where)
         return out, holder[0]
 
-    wall, events = trace_events(call, calls, warmup=1)
-    if not harness.on_gpu():
-        # The CPU trace holds the host's Python too, and a loop's thunk spans its body's: the
-        # thunks of HLO ops other than loops only.
-        events = [
-            e
-            for e in events
-            if (e.get("args") or {}).get("hlo_op", "while").partition(".")[0] != "while"
-        ]
-    rows, busy = breakdown(events, calls)
-    # A kernel's HLO op: the event's own annotation when the trace has it, else its name.
-    op_of = {}
-    for e in events:
-        op = (e.get("args") or {}).get("hlo_op") or e["name"]
-        op_of.setdefault(e["name"], op)
-    cats: dict[str, float] = collections.defaultdict(float)
-    lines: dict[str, float] = collections.defaultdict(float)
-    mapped = 0.0
-    for r in rows:
-        op = op_of.get(r["kernel"], r["kernel"])
-        stack = sources.get(op) or sources.get(op.replace(".", "_").replace("-", "_"))
-        if stack:
-            r["category"], frame = categorize(stack)
-        else:
-            r["category"] = unmapped_category(r["kernel"])
-        cats[r["category"]] += r["us_per_call"]
-        if stack:
-            mapped += r["us_per_call"]
-            file, fn, line = frame or stack[0]
-            r["source"] = f"{os.path.basename(file)}:{line} {fn}"
-            lines[r["source"]] += r["us_per_call"]
-    fields = dict(
-        wall_us=wall,
-        busy_us=busy,
-        gaps_us=max(0.0, wall - busy),
-        attributed_us=mapped,
-        categories=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
-        lines=dict(sorted(lines.items(), key=lambda kv: -kv[1])[:20]),
-        kernels=rows[:top],
-        calls=calls,
-    )
+    fields = attributed_profile(call, compiled.as_text(), categorize, calls=calls, top=top)
     return fields, holder[0]
 
 

@@ -7,8 +7,12 @@ Each point is ``head/precision/K/B`` with the heads and precisions of ``benchmar
 whose builders (random weights at real shapes, a KV pool filled to ``--context`` rows) this
 module reuses. For each point it runs the jitted step under ``jax.profiler.trace`` with a
 Perfetto trace, then sums the device-side events by kernel name and divides by the number of
-profiled calls. The table shows, per kernel, its microseconds per call and its share of the
-GPU busy time; "gaps" is the wall time per call minus the busy time (launch latency, host work).
+profiled calls. A propose's kernels are also attributed to the part of the step that made
+them (``STEP_PARTS``: the projections, the LM head, the norms, q/k norm + RoPE, the KV write, the
+page allocation, the pair window, ...) through the stack frames of the compiled HLO, so the table
+shows what fusing a part could save at most: its kernels and their time. Per kernel and per part:
+microseconds per call, share of the GPU busy time, launches per call; "gaps" is the wall time per
+call minus the busy time (launch latency, host work). ``--smoke`` runs tiny shapes on the CPU.
 """
 
 from __future__ import annotations
@@ -17,12 +21,15 @@ import argparse
 import collections
 import gzip
 import json
+import os
+import re
 import tempfile
 import time
 from pathlib import Path
 
 import jax
 
+from benchmarks import harness
 from benchmarks import propose as bp
 from mtpjax import drafter
 from mtpjax.head import init_lm_head
@@ -100,6 +107,225 @@ def trace_calls(call, calls: int, *, warmup: int = 3) -> tuple[float, list[dict]
     return wall, rows, busy
 
 
+# ---------------------------------------------------------------------------------------------
+# Kernels attributed to source through the compiled HLO's stack frames.
+# ---------------------------------------------------------------------------------------------
+
+_TABLE_ROW = re.compile(r"^(\d+) (.*)$")
+_FIELD = re.compile(r"(\w+)=(\d+)")
+_INSTR = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = ")
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+#: Kernels named by a library rather than by their HLO op (cuBLAS, CUTLASS, Pallas GEMVs).
+_MATMUL_KERNEL = re.compile(r"gemv|gemm|xmma|cutlass|mosaic|cublas", re.IGNORECASE)
+#: Device-to-device copies XLA inserts (no HLO op in the trace).
+_COPY_KERNEL = re.compile(r"memcpy", re.IGNORECASE)
+#: The Pallas attention kernels (named by their ``pallas_call``).
+_ATTENTION_KERNEL = re.compile(r"attention", re.IGNORECASE)
+
+
+def hlo_sources(text: str) -> dict[str, list[tuple[str, str, int]]]:
+    """For each instruction of a compiled HLO module (``compiled.as_text()``), the Python stack
+    that made it, innermost first: ``[(file, function, line), ...]``. A fusion without a frame
+    of its own takes its fused computation's root's. Names are as in the HLO and also with '.'
+    and '-' as '_' (the GPU kernels' names)."""
+    tables: dict[str, dict[int, str]] = collections.defaultdict(dict)
+    table = None
+    own: dict[str, int] = {}
+    calls: dict[str, str] = {}
+    roots: dict[str, int] = {}
+    comp = None
+    for line in text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            table = line
+            continue
+        if table is not None:
+            m = _TABLE_ROW.match(line)
+            if m:
+                tables[table][int(m.group(1))] = m.group(2)
+                continue
+            table = None
+        m = _COMP.match(line)
+        if m and " = " not in line:
+            comp = m.group(1)
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name = m.group(2)
+        f = _FRAME_ID.search(line)
+        if f:
+            own[name] = int(f.group(1))
+            if m.group(1) and comp:
+                roots[comp] = int(f.group(1))
+        c = _CALLS.search(line)
+        if c:
+            calls[name] = c.group(1)
+
+    def unquote(s: str) -> str:
+        return s.strip().strip('"')
+
+    files = {i: unquote(s) for i, s in tables["FileNames"].items()}
+    funcs = {i: unquote(s) for i, s in tables["FunctionNames"].items()}
+    locs = {i: dict(_FIELD.findall(s)) for i, s in tables["FileLocations"].items()}
+    frames = {i: dict(_FIELD.findall(s)) for i, s in tables["StackFrames"].items()}
+
+    def stack(fid: int) -> list[tuple[str, str, int]]:
+        out, seen = [], set()
+        while fid in frames and fid not in seen:
+            seen.add(fid)
+            loc = locs.get(int(frames[fid].get("file_location_id", 0)), {})
+            out.append(
+                (
+                    files.get(int(loc.get("file_name_id", 0)), "?"),
+                    funcs.get(int(loc.get("function_name_id", 0)), "?"),
+                    int(loc.get("line", 0)),
+                )
+            )
+            # The printed parent id is one more than the parent's row (0: none).
+            fid = int(frames[fid].get("parent_frame_id", 0)) - 1
+        return out
+
+    result = {}
+    for name in set(own) | set(calls):
+        fid = own.get(name, roots.get(calls.get(name, ""), -1))
+        if fid in frames:
+            result[name] = stack(fid)
+    for name in list(result):
+        result.setdefault(name.replace(".", "_").replace("-", "_"), result[name])
+    return result
+
+
+def unmapped_category(kernel: str) -> str:
+    """The category of a kernel the trace ties to no HLO op, from its name."""
+    if _COPY_KERNEL.search(kernel):
+        return "copies (no HLO op)"
+    if _MATMUL_KERNEL.search(kernel):
+        return "matmuls (no HLO op)"
+    if _ATTENTION_KERNEL.search(kernel):
+        return "attention (no HLO op)"
+    return "unattributed"
+
+
+def kernel_ops(events: list[dict], sources: dict) -> dict[str, str]:
+    """Each kernel name's HLO op: the event's ``hlo_op`` annotation where it names an op of the
+    program (inside a command buffer it names the buffer, ``command_buffer_N``), else the
+    kernel's own name (a fusion's kernel is named after it)."""
+    op_of = {}
+    for e in events:
+        op = (e.get("args") or {}).get("hlo_op")
+        op_of.setdefault(e["name"], op if op in sources else e["name"])
+    return op_of
+
+
+def attributed_profile(call, hlo_text: str, categorize, *, calls: int, top: int) -> dict:
+    """``calls`` synchronised calls of ``call()`` (one compiled program, whose optimised HLO is
+    ``hlo_text``) under the profiler, each kernel attributed to the source that made it:
+    ``categorize(stack) -> (category, frame or None)`` names its part. Returns the wall and busy
+    µs per call, µs and launches per call by category and by source line, and the ``top``
+    kernels (each with its category and source)."""
+    sources = hlo_sources(hlo_text)
+    wall, events = trace_events(call, calls, warmup=1)
+    if not harness.on_gpu():
+        # The CPU trace holds the host's Python too, and a loop's thunk spans its body's: the
+        # thunks of HLO ops other than loops only.
+        events = [
+            e
+            for e in events
+            if (e.get("args") or {}).get("hlo_op", "while").partition(".")[0] != "while"
+        ]
+    rows, busy = breakdown(events, calls)
+    op_of = kernel_ops(events, sources)
+    cats: dict[str, float] = collections.defaultdict(float)
+    launches: dict[str, float] = collections.defaultdict(float)
+    lines: dict[str, float] = collections.defaultdict(float)
+    mapped = 0.0
+    for r in rows:
+        op = op_of.get(r["kernel"], r["kernel"])
+        stack = sources.get(op) or sources.get(op.replace(".", "_").replace("-", "_"))
+        if stack:
+            r["category"], frame = categorize(stack)
+        else:
+            r["category"] = unmapped_category(r["kernel"])
+        cats[r["category"]] += r["us_per_call"]
+        launches[r["category"]] += r["launches_per_call"]
+        if stack:
+            mapped += r["us_per_call"]
+            file, fn, line = frame or stack[0]
+            r["source"] = f"{os.path.basename(file)}:{line} {fn}"
+            lines[r["source"]] += r["us_per_call"]
+    return dict(
+        wall_us=wall,
+        busy_us=busy,
+        gaps_us=max(0.0, wall - busy),
+        attributed_us=mapped,
+        categories=dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        launches=dict(sorted(launches.items(), key=lambda kv: -kv[1])),
+        lines=dict(sorted(lines.items(), key=lambda kv: -kv[1])[:20]),
+        kernels=rows[:top],
+        calls=calls,
+    )
+
+
+#: The parts of a propose, in the order they are checked: a kernel belongs to the first part
+#: that some frame of its stack names, by function (``fns``) or file (``files``: base names).
+STEP_PARTS = (
+    ("embedding", dict(fns={"embed", "embed_pairs"})),
+    ("LM head + argmax", dict(files={"_lm_head.py"})),
+    ("split-K sums", dict(fns={"sum_in_order"})),
+    ("linear's XLA ops (casts, row chunks)", dict(fns={"linear", "gemv", "_gemv"})),
+    ("attention", dict(fns={"paged_attention"})),
+    ("q/k norm + RoPE", dict(fns={"_norm_rope", "apply_rope", "rope_cos_sin"})),
+    ("page allocation", dict(fns={"reserve", "allocate", "block_ids", "release"})),
+    ("KV write", dict(fns={"write_rows", "append", "quantize_rows_fp8"})),
+    ("norms", dict(fns={"rms_norm", "_row_norm", "row_norm_reference"})),
+    (
+        "layer glue (concat, residuals, gate, silu*up)",
+        dict(
+            fns={
+                "fuse_inputs",
+                "decode_row",
+                "_attend_row",
+                "output_projection",
+                "ffn_residual",
+                "apply_ffn",
+                "dense_ffn",
+            }
+        ),
+    ),
+    (
+        "pair window and records",
+        dict(
+            fns={
+                "write_window",
+                "_open_window",
+                "_record",
+                "put_rows",
+                "_shift_left",
+                "last_key",
+                "newest_key",
+                "drop_newest",
+                "truncate",
+            }
+        ),
+    ),
+    ("draft selection", dict(fns={"_select", "at_last", "unpack_bitmask"}, files={"_sampling.py"})),
+    ("outputs and counters", dict(fns={"_finish"}, files={"metrics.py", "donation.py"})),
+)
+
+
+def categorize_step(stack: list[tuple[str, str, int]]) -> tuple[str, tuple[str, str, int] | None]:
+    """The part of a propose (:data:`STEP_PARTS`) a kernel belongs to, from its stack (innermost
+    first), and the frame that says so; ``("other", None)`` when no part matches."""
+    names = [(os.path.basename(f), q.rpartition(".")[2], (f, q, line)) for f, q, line in stack]
+    for part, match in STEP_PARTS:
+        for base, fn, frame in names:
+            if fn in match.get("fns", ()) or base in match.get("files", ()):
+                return part, frame
+    return "other", None
+
+
 def build(head: str, prec: str, k: int, b: int, context: int, smoke: bool = False):
     """The jitted propose and verify and their arguments, as ``benchmarks.propose`` builds them."""
     cfg = bp.head_config(head, smoke=smoke)
@@ -118,28 +344,46 @@ def build(head: str, prec: str, k: int, b: int, context: int, smoke: bool = Fals
 
 
 def profile_point(point, *, context: int, calls: int, top: int, smoke: bool = False) -> dict:
-    """Profiles ``calls`` proposes (``what="propose"``) or propose + verify rounds ("round")."""
+    """Profiles ``calls`` proposes (``what="propose"``), each kernel attributed to its part of
+    the step (:data:`STEP_PARTS`), or propose + verify rounds ("round", by kernel only)."""
     head, prec, k, b, what = point
     propose, verify, params, lm, state, pairs, hidden = build(head, prec, k, b, context, smoke)
-    holder = [state]
-
-    def call():
-        # A propose alone keeps its K - 1 chain rows; the next propose drops them itself.
-        out, holder[0] = propose(params, lm, holder[0], pairs)
-        if what == "round":
-            out, holder[0] = verify(lm, holder[0], hidden, out)
-        return out, holder[0]
-
-    wall, rows, busy = trace_calls(call, calls)
     name = f"{head}/{prec}/K={k}/B={b}/{what}"
-    print(f"\n{name}: {wall:.0f} µs per call under the profiler, GPU busy {busy:.0f} µs")
+    holder = [state]
+    if what == "propose":
+        compiled = propose.lower(params, lm, state, pairs).compile()
+
+        def call():
+            # A propose alone keeps its K - 1 chain rows; the next propose drops them itself.
+            out, holder[0] = compiled(params, lm, holder[0], pairs)
+            return out, holder[0]
+
+        rec = attributed_profile(call, compiled.as_text(), categorize_step, calls=calls, top=60)
+    else:
+
+        def call():
+            out, holder[0] = propose(params, lm, holder[0], pairs)
+            out, holder[0] = verify(lm, holder[0], hidden, out)
+            return out, holder[0]
+
+        wall, rows, busy = trace_calls(call, calls)
+        rec = dict(wall_us=wall, busy_us=busy, kernels=rows[:60])
+    busy = rec["busy_us"]
+    print(f"\n{name}: {rec['wall_us']:.0f} µs per call under the profiler, GPU busy {busy:.0f} µs")
+    if "categories" in rec:
+        print(f"{'µs/call':>9} {'share':>6} {'n/call':>6}  part")
+        for part, us in rec["categories"].items():
+            share = us / busy if busy else 0.0
+            print(f"{us:9.1f} {share:6.1%} {rec['launches'][part]:6.1f}  {part}")
     print(f"{'µs/call':>9} {'share':>6} {'n/call':>6}  kernel")
-    for r in rows[:top]:
+    for r in rec["kernels"][:top]:
         share = r["us_per_call"] / busy if busy else 0.0
+        where = f"  [{r['category']}: {r.get('source', '-')}]" if "category" in r else ""
         print(
-            f"{r['us_per_call']:9.1f} {share:6.1%} {r['launches_per_call']:6.1f}  {r['kernel'][:110]}"
+            f"{r['us_per_call']:9.1f} {share:6.1%} {r['launches_per_call']:6.1f}  "
+            f"{r['kernel'][:60]}{where}"
         )
-    return dict(point=name, wall_us=wall, busy_us=busy, kernels=rows[:60])
+    return dict(point=name, **rec)
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@ import pytest
 
 import pallas_kernels
 from benchmarks import hybrid as bh
+from benchmarks import profile as bprof
 from mtpjax import hybrid
 
 
@@ -124,7 +125,7 @@ def test_profile_attribution_follows_the_python_stack():
         return y.sum() + o.sum(), states
 
     x = jnp.ones((1, 6, 16), jnp.float32)
-    sources = bh.hlo_sources(jax.jit(f).lower(x, q, k, v, g, beta, s).compile().as_text())
+    sources = bprof.hlo_sources(jax.jit(f).lower(x, q, k, v, g, beta, s).compile().as_text())
     cats = {bh.categorize(stack)[0] for stack in sources.values()}
     assert {"conv", "delta rule (row body)"} <= cats
     # The row body's kernels: their innermost frame is the scan body or the per-position step
@@ -142,11 +143,11 @@ def test_profile_attribution_follows_the_python_stack():
     snapshots = jnp.zeros((2, 1, 4, *s16.shape[1:]), jnp.float32)
     step = functools.partial(pallas_kernels.recurrent_delta_rule_stacked, implementation="triton")
     lowered = jax.jit(step).lower(*rows, snapshots, layer=1, select=jnp.zeros(1, jnp.int32))
-    kernel_sources = bh.hlo_sources(lowered.compile().as_text())
+    kernel_sources = bprof.hlo_sources(lowered.compile().as_text())
     assert "delta rule (kernel)" in {bh.categorize(st)[0] for st in kernel_sources.values()}
     # Kernels without an HLO op, by name (the H200 trace's copies and Pallas GEMVs).
     names = ["memcpy128", "MemcpyD2D", "memcpy32_post", "bf16_gemv__4", "triton_softmax_11"]
-    assert [bh.unmapped_category(n) for n in names] == [
+    assert [bprof.unmapped_category(n) for n in names] == [
         "copies (no HLO op)", "copies (no HLO op)", "copies (no HLO op)",
         "matmuls (no HLO op)", "unattributed",
     ]  # fmt: skip
