@@ -65,9 +65,9 @@ def test_propose_kernels_are_attributed_to_their_parts():
     text = propose.lower(params, lm, state, pairs).compile().as_text()
     parts = {profile.categorize_step(st)[0] for st in profile.hlo_sources(text).values()}
     expected = {
-        "embedding", "LM head + argmax", "linear's XLA ops (casts, row chunks)", "attention", "q/k norm + RoPE",
-        "page allocation", "KV write", "norms", "pair window and records", "draft selection",
-        "outputs and counters",
+        "embedding", "LM head + argmax", "linear's XLA ops (casts, row chunks)", "attention",
+        "q/k norm + RoPE", "page allocation", "KV write", "norms", "pair window and records",
+        "draft selection", "outputs and counters",
     }  # fmt: skip
     assert expected <= parts, sorted(expected - parts)
     # The frame that names the part is the one matched, innermost first.
