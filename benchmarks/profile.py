@@ -8,8 +8,9 @@ whose builders (random weights at real shapes, a KV pool filled to ``--context``
 module reuses. For each point it runs the jitted step under ``jax.profiler.trace`` with a
 Perfetto trace, then sums the device-side events by kernel name and divides by the number of
 profiled calls. A propose's kernels are also attributed to the part of the step that made
-them (``STEP_PARTS``: the projections, the LM head, the norms, q/k norm + RoPE, the KV write, the
-page allocation, the pair window, ...) through the stack frames of the compiled HLO, so the table
+them (``STEP_PARTS``: ``linear``'s XLA ops, the LM head, the norms, q/k norm + RoPE, the KV
+write, the page allocation, the pair window, ...; the Pallas kernels, which carry no HLO op, by
+their names) through the stack frames of the compiled HLO, so the table
 shows what fusing a part could save at most: its kernels and their time. Per kernel and per part:
 microseconds per call, share of the GPU busy time, launches per call; "gaps" is the wall time per
 call minus the busy time (launch latency, host work). ``--smoke`` runs tiny shapes on the CPU.
